@@ -1,0 +1,157 @@
+"""The `draftsmith` command map. Each subcommand is one typed function; its docstring is its help.
+
+    draftsmith data stats --data SOURCE [--target T] [--json]
+    draftsmith extract --target T --data SOURCE --out DIR [--layer_ids [2,15,27]] ...
+
+Options take `--max_length` or `--max-length` alike; a bare `--json` means `--json true`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from draftsmith import DraftsmithError
+
+BARE_FLAGS = ("--json", "--trust_remote_code")
+
+
+def data_stats(data: str, target: str | None = None, max_length: int = 2048, limit: int | None = None,
+               json: bool = False, trust_remote_code: bool = False) -> None:
+    """Report what a chat source yields: read, kept, skipped (reason → count), truncated.
+
+    With a target, also tokenize every kept chat with the target's chat template and report
+    token counts and the assistant loss mask (the mask audit fails on a degenerate mask).
+
+    Args:
+        data: `sharegpt` (embedded), a .json/.jsonl file, a `datasets` directory, .parquet/.csv, or hf:NAME[:SPLIT].
+        target: a target (embedded alias, .gguf, model directory or hub id) whose tokenizer to use.
+        max_length: token budget per chat; longer chats are truncated (counted).
+        limit: stop after this many kept conversations.
+        json: print exactly one JSON object on stdout instead of tables.
+        trust_remote_code: allow a hub tokenizer's own code to run.
+    """
+    from collections import Counter
+
+    from draftsmith.data.chat import MaskAudit, tokenize_many
+    from draftsmith.data.conversations import load_conversations
+
+    convs, report = load_conversations(data, limit=limit)
+    stats: dict[str, Any] = report.as_dict()
+    if target is not None:
+        from draftsmith.models.target import load_tokenizer
+
+        tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        skipped, truncated, audit = Counter(), Counter(), MaskAudit()
+        tokenize_many(tokenizer, convs, max_length, skipped, truncated, audit)
+        stats["tokenized"] = {
+            "target": target, "max_length": max_length,
+            "kept": len(convs) - sum(skipped.values()),
+            "skipped": dict(sorted(skipped.items())), "truncated": dict(sorted(truncated.items())),
+            **audit.summary(),
+        }
+        audit.check(data)
+    if json:
+        print(_json_dumps(stats))
+        return
+    _print_stats(stats)
+
+
+def extract(target: str, data: str, out: str, layer_ids: list[int] | None = None, max_length: int = 2048,
+            limit: int | None = None, shard_size: int = 64, batch_tokens: int = 8192, dtype: str = "bfloat16",
+            feature_dtype: str = "bfloat16", device: str = "cpu", devices: int = 1, device_map: str | None = None,
+            adapter: str | None = None, trust_remote_code: bool = False) -> None:
+    """Run the frozen target over the chats and write feature shards + manifest.json to OUT.
+
+    Rerunning the same command resumes from the finished shards. Shards made from another
+    target, tokenizer, layer set or data are refused.
+
+    Args:
+        target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
+        data: chat source, as for `draftsmith data stats`.
+        out: the feature directory.
+        layer_ids: extra hidden states to keep (id i = output_hidden_states[i]), e.g. [2,15,27] for EAGLE-3.
+        max_length: tokens per chat; longer chats are truncated (counted in the manifest).
+        limit: use only the first LIMIT kept conversations.
+        shard_size: conversations per shard (the unit of resumption).
+        batch_tokens: padded tokens per forward batch.
+        dtype: the target's compute dtype (bfloat16 is ~4x faster than float32 on recent CPUs).
+        feature_dtype: dtype of the stored features.
+        device: cpu, cuda, cuda:1, ...
+        devices: processes to extract with (each takes every N-th shard); torchrun works too.
+        device_map: accelerate placement for a target larger than one device (e.g. auto).
+        adapter: a peft LoRA adapter directory merged into the target on load.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+    from rich.console import Console
+
+    from draftsmith.extract import ExtractConfig, extract as run_extract, summary_table
+
+    cfg = ExtractConfig(target=target, data=data, out=out, layer_ids=list(layer_ids or []), max_length=max_length,
+                        limit=limit, shard_size=shard_size, batch_tokens=batch_tokens, dtype=dtype,
+                        feature_dtype=feature_dtype, device=device, devices=devices, device_map=device_map,
+                        adapter=adapter, trust_remote_code=trust_remote_code)
+    manifest = run_extract(cfg)
+    if manifest:
+        Console().print(summary_table(manifest, out))
+
+
+COMMANDS = {"data": {"stats": data_stats}, "extract": extract}
+
+
+def _json_dumps(obj: Any) -> str:
+    return json.dumps(obj)
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"data source: {stats['source']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key in ("read", "kept"):
+        table.add_row(key, f"{stats[key]:,}")
+    for group in ("skipped", "truncated"):
+        for reason, count in stats[group].items():
+            table.add_row(f"{group}: {reason}", f"{count:,}")
+    for key, value in stats.get("tokenized", {}).items():
+        if isinstance(value, dict):
+            for reason, count in value.items():
+                table.add_row(f"tokenized {key}: {reason}", f"{count:,}")
+        else:
+            table.add_row(f"tokenized {key}", f"{value:,}" if isinstance(value, int) else str(value))
+    Console().print(table)
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """`--max-length` → `--max_length`; a bare boolean flag → `--flag=true`."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and not arg.startswith("---"):
+            name, eq, value = arg.partition("=")
+            arg = name[:2] + name[2:].replace("-", "_") + eq + value
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if not eq and arg in BARE_FLAGS and (nxt is None or nxt.startswith("-")):
+                arg += "=true"
+        out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jsonargparse import CLI
+
+    argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
+    try:
+        CLI(COMMANDS, args=argv, as_positional=False)
+    except DraftsmithError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

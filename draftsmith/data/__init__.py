@@ -1,0 +1,1 @@
+"""Chat data → tokenized chats with assistant masks → feature shards → DataModules."""

@@ -1,0 +1,1 @@
+"""Evaluation drives draftsmith.runtime; it never re-implements decoding (issue: runtime)."""

@@ -1,0 +1,1 @@
+"""nn.Modules and model loading only: no training logic lives here."""

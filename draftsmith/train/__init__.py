@@ -1,0 +1,1 @@
+"""LightningModules and pure loss functions for drafter training (issue: drafters)."""

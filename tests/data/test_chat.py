@@ -1,0 +1,87 @@
+from collections import Counter
+
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash
+from draftsmith.data.conversations import Conversation
+from tests.conftest import CHATML, LLAMA2, LLAMA3, make_tokenizer
+
+CONV = Conversation("c", [
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "hi friend"},
+    {"role": "user", "content": "how are you"},
+    {"role": "assistant", "content": "fine thanks"},
+])
+
+
+def masked_text(tokenizer, chat):
+    """The masked tokens, decoded, grouped in runs."""
+    runs, current = [], []
+    for tok, m in zip(chat.input_ids, chat.loss_mask):
+        if m:
+            current.append(tok)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+@pytest.mark.parametrize("template, expected", [
+    (CHATML, ["hi friend<|im_end|>\n", "fine thanks<|im_end|>\n"]),
+    (LLAMA3, ["hi friend<|eot_id|>", "fine thanks<|eot_id|>"]),
+    (LLAMA2, [" hi friend </s>", " fine thanks </s>"]),
+])
+def test_assistant_mask_covers_exactly_the_replies(template, expected):
+    tokenizer = make_tokenizer(template)
+    chat, reason, truncations = tokenize_chat(tokenizer, CONV, max_length=1000)
+    assert reason is None and truncations == []
+    assert tokenizer.decode(chat.input_ids) == tokenizer.apply_chat_template(CONV.messages, tokenize=False)
+    assert masked_text(tokenizer, chat) == expected
+    # the prompt side carries no loss: the system and user text are all unmasked
+    unmasked = tokenizer.decode([t for t, m in zip(chat.input_ids, chat.loss_mask) if not m])
+    assert "hello there" in unmasked and "how are you" in unmasked and "friend" not in unmasked
+
+
+def test_over_long_chat_truncated_or_skipped_with_reason():
+    tokenizer = make_tokenizer(CHATML)
+    full, _, _ = tokenize_chat(tokenizer, CONV, max_length=1000)
+    first_reply = full.loss_mask.index(1)
+    chat, reason, truncations = tokenize_chat(tokenizer, CONV, max_length=first_reply + 3)
+    assert len(chat.input_ids) == first_reply + 3 and sum(chat.loss_mask) == 3
+    assert truncations == ["truncated_to_max_length"]
+    chat, reason, _ = tokenize_chat(tokenizer, CONV, max_length=first_reply)
+    assert chat is None and reason == "no_assistant_tokens_within_max_length"
+
+
+def test_mask_audit_fails_loudly_on_degenerate_masks():
+    drops_replies = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] + '\n' }}{% endif %}{% endfor %}"
+    tokenizer = make_tokenizer(drops_replies)
+    skipped, audit = Counter(), MaskAudit()
+    chats = tokenize_many(tokenizer, [CONV, CONV], 1000, skipped, Counter(), audit)
+    assert chats == [] and skipped == {"no_assistant_tokens": 2}
+    with pytest.raises(DraftsmithError, match="all-zero assistant mask"):
+        audit.check("toy")
+    only_replies = "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    audit = MaskAudit()
+    tokenize_many(make_tokenizer(only_replies), [CONV], 1000, Counter(), Counter(), audit)
+    with pytest.raises(DraftsmithError, match="all-one assistant mask"):
+        audit.check("toy")
+    healthy = MaskAudit()
+    tokenize_many(make_tokenizer(CHATML), [CONV], 1000, Counter(), Counter(), healthy)
+    healthy.check("toy")
+    assert 0 < healthy.summary()["assistant_fraction"] < 1
+
+
+def test_template_rewriting_history_is_reported_not_guessed():
+    # renders the last message differently from earlier ones: prefixes are not stable
+    unstable = "{% for m in messages %}{{ ('LAST:' if loop.last else '') + m['content'] + '\n' }}{% endfor %}"
+    chat, reason, _ = tokenize_chat(make_tokenizer(unstable), CONV, 1000)
+    assert chat is None and reason == "template_not_prefix_stable"
+
+
+def test_tokenizer_hash_tracks_template_and_vocab():
+    assert tokenizer_hash(make_tokenizer(CHATML)) == tokenizer_hash(make_tokenizer(CHATML))
+    assert tokenizer_hash(make_tokenizer(CHATML)) != tokenizer_hash(make_tokenizer(LLAMA3))

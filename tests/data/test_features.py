@@ -1,0 +1,122 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.data.features import FeatureReader, build_manifest, claim_directory, write_shard
+from draftsmith.data.modules import FeatureDataModule, LengthBatchSampler, pad_collate
+
+H = 8
+
+
+def fake_run(**over):
+    run = {"target": {"name": "t", "architecture": "A", "hidden_size": H, "vocab_size": 50, "num_layers": 2,
+                      "tokenizer_hash": "abc", "weights_fingerprint": "f00", "adapter": None},
+           "tokenizer_hash": "abc", "layer_ids": [1], "dtype": "float32", "max_length": 64, "shard_size": 4,
+           "data": {"source": "x", "limit": None, "num_conversations": 0}}
+    run.update(over)
+    return run
+
+
+def write_fake(out, num_shards, per_shard=4, seed=0):
+    """Shards of random records whose features encode (shard, record) for checking."""
+    g = torch.Generator().manual_seed(seed)
+    run = fake_run()
+    claim_directory(out, run)
+    for s in range(num_shards):
+        records = []
+        for r in range(per_shard):
+            n = int(torch.randint(3, 20, (1,), generator=g))
+            records.append({"id": f"c{s}-{r}", "input_ids": torch.randint(0, 50, (n,), generator=g).tolist(),
+                            "loss_mask": [0] * (n // 2) + [1] * (n - n // 2),
+                            "final": torch.full((n, H), float(s * 100 + r)), "layers": {1: torch.full((n, H), -1.0)}})
+        write_shard(out, s, records, {"run": run, "skipped": {}, "truncated": {}}, [1], H, torch.float32)
+    return build_manifest(out, num_shards, None)
+
+
+def test_round_trip_and_random_access(tmp_path):
+    manifest = write_fake(tmp_path, 3)
+    reader = FeatureReader(tmp_path, layer_ids=[1])
+    assert len(reader) == 12 == manifest["num_records"]
+    for index in (0, 5, 11):
+        item = reader[index]
+        s, r = divmod(index, 4)
+        assert item["id"] == f"c{s}-{r}"
+        assert torch.all(item["final"] == s * 100 + r) and item["final"].shape == (len(item["input_ids"]), H)
+        assert torch.all(item["aux"] == -1.0)
+
+
+def test_reader_keeps_a_bounded_number_of_files_open(tmp_path):
+    write_fake(tmp_path, 30, per_shard=2)
+    reader = FeatureReader(tmp_path, max_open=4)
+    for index in np.random.default_rng(0).permutation(len(reader)):
+        reader[int(index)]
+        assert len(reader._open) <= 4
+
+
+def test_manifest_refuses_missing_or_foreign_shards(tmp_path):
+    write_fake(tmp_path, 2)
+    with pytest.raises(DraftsmithError, match="1 of 3 shards missing"):
+        build_manifest(tmp_path, 3, None)
+    with pytest.raises(DraftsmithError, match="tokenizer_hash: 'abc' there, 'zzz' here"):
+        claim_directory(tmp_path, fake_run(tokenizer_hash="zzz"))
+    # a shard copied in from another run is caught when the manifest is built
+    other = tmp_path / "other"
+    other_run = fake_run(max_length=32)
+    claim_directory(other, other_run)
+    write_shard(other, 2, [], {"run": other_run, "skipped": {}, "truncated": {}}, [1], H, torch.float32)
+    (other / "shard-000002.safetensors").rename(tmp_path / "shard-000002.safetensors")
+    with pytest.raises(DraftsmithError, match="made differently.*max_length"):
+        build_manifest(tmp_path, 3, None)
+
+
+def test_length_batches_respect_the_budget_and_split_ranks():
+    lengths = np.random.default_rng(0).integers(5, 200, size=300)
+    indices = np.arange(300)
+    sampler = LengthBatchSampler(lengths, indices, max_tokens=800, max_batch_size=16, shuffle=True, seed=1)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    for b in batches:
+        assert len(b) <= 16 and (len(b) == 1 or len(b) * max(lengths[b]) <= 800)
+    sampler.set_epoch(1)
+    assert list(sampler) != batches  # reshuffled per epoch, deterministically
+    sampler.set_epoch(0)
+    assert list(sampler) == batches
+    ranks = [list(LengthBatchSampler(lengths, indices, 800, 16, True, 1, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1])
+    assert not {i for b in ranks[0] for i in b} & {i for b in ranks[1] for i in b}
+
+
+def test_datamodule_splits_by_conversation_id_and_pads(tmp_path):
+    write_fake(tmp_path, 10)
+    dm = FeatureDataModule(str(tmp_path), layer_ids=[1], val_fraction=0.3, max_tokens=64)
+    dm.setup("fit")
+    train_ids = {i for batch in dm.train_dataloader() for i in batch["ids"]}
+    val_ids = {i for batch in dm.val_dataloader() for i in batch["ids"]}
+    assert train_ids and val_ids and not train_ids & val_ids and len(train_ids | val_ids) == 40
+    batch = next(iter(dm.train_dataloader()))
+    b, t = batch["input_ids"].shape
+    assert batch["final"].shape == (b, t, H) and batch["aux"].shape == (b, t, H)
+    lengths = batch["attention_mask"].sum(1)
+    assert not batch["loss_mask"][~batch["attention_mask"]].any()
+    assert torch.all(batch["final"][~batch["attention_mask"]] == 0) and lengths.max() == t
+
+
+def test_collate_right_pads():
+    items = [{"id": "a", "input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]).bool(),
+              "final": torch.ones(3, 2)},
+             {"id": "b", "input_ids": torch.tensor([4]), "loss_mask": torch.tensor([1]).bool(), "final": torch.ones(1, 2)}]
+    out = pad_collate(items)
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert out["attention_mask"].tolist() == [[True] * 3, [True, False, False]]
+    assert out["final"][1, 1:].abs().sum() == 0
+
+
+def test_missing_manifest_says_what_to_run(tmp_path):
+    with pytest.raises(DraftsmithError, match="run `draftsmith extract"):
+        FeatureReader(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps(fake_run()))
+    with pytest.raises(DraftsmithError, match="rerun the same `draftsmith extract` command"):
+        FeatureReader(tmp_path)

@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.models.target import load_target
+from tests.conftest import save_tiny_target
+
+
+def test_hidden_state_parity_with_output_hidden_states(tiny_target_dir):
+    target = load_target(str(tiny_target_dir))
+    ids = torch.randint(0, target.vocab_size, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    final, extra = target.features(ids, mask, layer_ids=[0, 1, 2])
+    ref = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    for i in (0, 1, 2):
+        torch.testing.assert_close(extra[i], ref.hidden_states[i], rtol=0, atol=0)
+    # the final feature is the post-norm last hidden state, and the head applied to it gives the logits
+    torch.testing.assert_close(final, ref.hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(target.logits(final), ref.logits)
+    assert not torch.allclose(extra[2], extra[1])
+
+
+def test_target_is_frozen_and_identified(tiny_target_dir):
+    target = load_target(str(tiny_target_dir))
+    assert not target.model.training
+    assert all(not p.requires_grad for p in target.model.parameters())
+    ident = target.identity
+    assert (ident.architecture, ident.hidden_size, ident.num_layers, ident.vocab_size) == ("LlamaForCausalLM", 32, 2, len(target.tokenizer))
+    assert ident == load_target(str(tiny_target_dir)).identity
+    # bf16 loading keeps the identity (the fingerprint samples are rounded to bf16)
+    assert load_target(str(tiny_target_dir), dtype="bfloat16").identity.weights_fingerprint == ident.weights_fingerprint
+    with pytest.raises(DraftsmithError, match=r"layer ids \[3\] are out of range .* use 0..2"):
+        target.check_layer_ids([1, 3])
+
+
+def test_other_weights_change_the_fingerprint(tiny_target_dir, tmp_path):
+    other = load_target(str(save_tiny_target(tmp_path / "other", seed=1)))
+    assert other.identity.weights_fingerprint != load_target(str(tiny_target_dir)).identity.weights_fingerprint
+    assert other.identity.tokenizer_hash == load_target(str(tiny_target_dir)).identity.tokenizer_hash
+
+
+def test_lora_adapter_is_merged_on_load(tiny_target_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    merged = load_target(str(tiny_target_dir), adapter=str(tmp_path / "adapter"))
+    plain = load_target(str(tiny_target_dir))
+    final, _ = merged.features(ids)
+    torch.testing.assert_close(merged.logits(final), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain.logits(plain.features(ids)[0]), expected, atol=1e-3)
+    assert merged.identity.weights_fingerprint != plain.identity.weights_fingerprint
+    with pytest.raises(DraftsmithError, match="no adapter_config.json"):
+        load_target(str(tiny_target_dir), adapter=str(tmp_path))
+
+
+def test_bad_target_names_give_clear_errors(tmp_path):
+    with pytest.raises(DraftsmithError, match="unknown embedded target"):
+        load_target("embedded:nope")
+    with pytest.raises(DraftsmithError, match="GGUF file .* not found"):
+        load_target(str(tmp_path / "x.gguf"))
+    with pytest.raises(DraftsmithError, match="unknown dtype"):
+        load_target("whatever", dtype="float8")
+
+
+@pytest.mark.slow
+def test_embedded_gguf_target_loads_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    target = load_target("embedded:smollm2-135m-instruct")
+    cached = list((tmp_path / "gguf").iterdir())
+    assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
+    again = load_target("embedded:smollm2-135m-instruct", dtype="bfloat16")  # from the cache now
+    assert again.identity == target.identity
+    ident = target.identity
+    assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (30, 576, 49152)
+    assert target.default_aux_layer_ids() == [2, 15, 27]
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = target.model.generate(**prompt, max_new_tokens=24, do_sample=False)
+    assert "4" in target.tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])

@@ -1,0 +1,137 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith import DraftsmithError
+from draftsmith.data.features import FeatureReader, read_manifest
+from draftsmith.extract import ExtractConfig, extract
+from draftsmith.models.target import load_target
+from tests.conftest import run_cli, save_tiny_target
+
+
+def cfg(target_dir, chats_file, out, **kw):
+    base = dict(target=str(target_dir), data=str(chats_file), out=str(out), max_length=256, shard_size=8,
+                batch_tokens=512, dtype="float32", feature_dtype="float32", layer_ids=[1])
+    return ExtractConfig(**{**base, **kw})
+
+
+def shard_tensors(directory):
+    return {p.name: load_file(p) for p in sorted(directory.glob("shard-*.safetensors"))}
+
+
+def assert_same_shards(a, b):
+    ta, tb = shard_tensors(a), shard_tensors(b)
+    assert ta.keys() == tb.keys() and ta
+    for name in ta:
+        assert ta[name].keys() == tb[name].keys()
+        for key in ta[name]:
+            torch.testing.assert_close(ta[name][key], tb[name][key], rtol=0, atol=0, msg=f"{name}:{key}")
+
+
+def test_extract_writes_features_equal_to_the_target(tiny_target_dir, chats_file, tmp_path):
+    manifest = extract(cfg(tiny_target_dir, chats_file, tmp_path / "f"))
+    assert manifest["num_records"] == 40 and len(manifest["shards"]) == 5
+    assert manifest["num_tokens"] == sum(s["num_tokens"] for s in manifest["shards"])
+    assert manifest["layer_ids"] == [1] and manifest["target"]["hidden_size"] == 32
+    assert set(manifest) >= {"target", "tokenizer_hash", "layer_ids", "dtype", "num_records", "num_tokens", "skipped"}
+    assert not list((tmp_path / "f").glob(".*tmp*"))
+    target = load_target(str(tiny_target_dir))
+    reader = FeatureReader(tmp_path / "f", layer_ids=[1])
+    assert len(reader) == 40 and reader.lengths.sum() == manifest["num_tokens"]
+    for index in (0, 17, 39):  # records were batched with right padding; compare to one-record forwards
+        item = reader[index]
+        final, extra = target.features(item["input_ids"][None], layer_ids=[1])
+        torch.testing.assert_close(item["final"], final[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(item["aux"], extra[1][0], atol=1e-5, rtol=1e-5)
+        assert item["loss_mask"].any() and not item["loss_mask"].all()
+
+
+def test_rerun_resumes_and_mixing_is_refused(tiny_target_dir, chats_file, tmp_path):
+    out = tmp_path / "f"
+    extract(cfg(tiny_target_dir, chats_file, out))
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    again = extract(cfg(tiny_target_dir, chats_file, out))
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")} == before
+    assert again["this_run"]["shards_written"] == 0
+    other = save_tiny_target(tmp_path / "other", seed=1)
+    with pytest.raises(DraftsmithError, match="weights_fingerprint.*refusing to mix"):
+        extract(cfg(other, chats_file, out))
+    with pytest.raises(DraftsmithError, match="layer_ids: \\[1\\] there, \\[0, 1\\] here"):
+        extract(cfg(tiny_target_dir, chats_file, out, layer_ids=[0, 1]))
+    with pytest.raises(DraftsmithError, match="has no hidden states for layer ids \\[2\\]"):
+        FeatureReader(out, layer_ids=[2])
+
+
+KILL_AFTER_TEMP_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    import safetensors.torch as st
+    real, calls = st.save_file, []
+    def save_then_die(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        calls.append(path)
+        if len(calls) == 3:  # the 3rd shard is on disk under its temporary name, not yet renamed
+            os.kill(os.getpid(), signal.SIGKILL)
+    st.save_file = save_then_die
+    from draftsmith.cli import main
+    main(sys.argv[1:])
+""")
+
+
+def test_sigkill_mid_extraction_then_rerun_matches_uninterrupted(tiny_target_dir, chats_file, tmp_path):
+    args = ["extract", "--target", str(tiny_target_dir), "--data", str(chats_file), "--max-length", "256",
+            "--shard-size", "8", "--batch-tokens", "512", "--layer_ids", "[1]"]
+    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_TEMP_WRITE, *args, "--out", str(tmp_path / "a")],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    assert sorted(p.name for p in (tmp_path / "a").glob("shard-*")) == ["shard-000000.safetensors", "shard-000001.safetensors"]
+    assert list((tmp_path / "a").glob(".shard-000002.safetensors.tmp.*")) and not (tmp_path / "a" / "manifest.json").exists()
+    with pytest.raises(DraftsmithError, match="extraction has not finished: rerun"):
+        read_manifest(tmp_path / "a")
+
+    resumed = run_cli(*args, "--out", str(tmp_path / "a"))
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run_cli(*args, "--out", str(tmp_path / "b"))
+    assert whole.returncode == 0, whole.stderr
+    a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+    assert (a["num_records"], a["num_tokens"]) == (b["num_records"], b["num_tokens"]) == (40, b["num_tokens"])
+    assert not list((tmp_path / "a").glob(".*tmp*"))
+    assert_same_shards(tmp_path / "a", tmp_path / "b")
+    assert "features in" in whole.stdout and "records" in whole.stdout
+
+
+def test_two_processes_extract_disjoint_parts_of_the_same_output(tiny_target_dir, chats_file, tmp_path):
+    args = ["extract", "--target", str(tiny_target_dir), "--data", str(chats_file), "--max_length", "256",
+            "--shard_size", "8", "--batch_tokens", "512", "--dtype", "float32"]
+    two = run_cli(*args, "--out", str(tmp_path / "two"), "--devices", "2")
+    assert two.returncode == 0, two.stderr
+    one = run_cli(*args, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    m2, m1 = read_manifest(tmp_path / "two"), read_manifest(tmp_path / "one")
+    assert (m2["num_records"], m2["num_tokens"]) == (m1["num_records"], m1["num_tokens"])
+    assert_same_shards(tmp_path / "two", tmp_path / "one")
+    assert "2 process(es)" in two.stdout
+
+
+def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
+    with pytest.raises(DraftsmithError, match="--batch_tokens 100 is smaller than --max_length 256"):
+        cfg(tiny_target_dir, chats_file, tmp_path, batch_tokens=100)
+    with pytest.raises(DraftsmithError, match="out of range"):
+        extract(cfg(tiny_target_dir, chats_file, tmp_path / "f", layer_ids=[7]))
+
+
+@pytest.mark.slow
+def test_embedded_default_extraction(tmp_path):
+    out = tmp_path / "f"
+    result = run_cli("extract", "--target", "embedded:smollm2-135m-instruct", "--data", "sharegpt",
+                     "--limit", "6", "--max-length", "96", "--layer_ids", "[2,15,27]", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_records"] >= 1 and manifest["layer_ids"] == [2, 15, 27]
+    assert manifest["target"]["name"] == "embedded:smollm2-135m-instruct" and manifest["dtype"] == "bfloat16"
+    item = FeatureReader(out, layer_ids=[2, 15, 27])[0]
+    assert item["final"].shape[-1] == 576 and item["aux"].shape[-1] == 3 * 576
