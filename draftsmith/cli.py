@@ -2,6 +2,7 @@
 
     draftsmith data stats --data SOURCE [--target T] [--json]
     draftsmith extract --target T --data SOURCE --out DIR [--layer_ids [2,15,27]] ...
+    draftsmith fit --config RECIPE.yaml [--trainer.max_steps N] [--data.features_dir DIR] [--ckpt_path last]
 
 Options take `--max_length` or `--max-length` alike; a bare `--json` means `--json true`.
 """
@@ -98,6 +99,25 @@ def extract(target: str, data: str, out: str, layer_ids: list[int] | None = None
 
 
 COMMANDS = {"data": {"stats": data_stats}, "extract": extract}
+LIGHTNING_COMMANDS = ("fit", "validate")
+
+
+def lightning_cli(argv: list[str], run: bool = True) -> Any:
+    """`draftsmith fit --config RECIPE [--trainer.max_steps N ...]`: LightningCLI over a recipe.
+
+    The recipe names the LightningModule (`model.class_path`) and DataModule (`data.class_path`);
+    `data.init_args.target` follows `model.init_args.target`.
+    """
+    from pytorch_lightning.cli import LightningCLI
+
+    class DraftsmithCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.link_arguments("model.init_args.target", "data.init_args.target")
+            # draftsmith's DataModules shard batches across ranks themselves (length-bucketed)
+            parser.set_defaults({"trainer.use_distributed_sampler": False})
+
+    return DraftsmithCLI(args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
+                         save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
 
 def _json_dumps(obj: Any) -> str:
@@ -144,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
+        if argv and argv[0] in LIGHTNING_COMMANDS:
+            lightning_cli(argv)
+            return
         CLI(COMMANDS, args=argv, as_positional=False)
     except DraftsmithError as e:
         print(f"error: {e}", file=sys.stderr)

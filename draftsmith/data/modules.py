@@ -13,8 +13,9 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
-from draftsmith.data.features import FeatureReader
+from draftsmith.data.features import FeatureReader, read_manifest
 
 
 class LengthBatchSampler(torch.utils.data.Sampler):
@@ -30,6 +31,7 @@ class LengthBatchSampler(torch.utils.data.Sampler):
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.rank, self.world_size = rank, world_size
+        self.resume: dict[str, int] | None = None  # {"epoch", "batches_done"} from a checkpoint
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -53,7 +55,11 @@ class LengthBatchSampler(torch.utils.data.Sampler):
         return batches[self.rank : usable : self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._batches())
+        batches = self._batches()
+        if self.resume is not None and self.resume["epoch"] == self.epoch:  # mid-epoch restart
+            batches = batches[self.resume["batches_done"]:]
+        self.resume = None
+        return iter(batches)
 
     def __len__(self) -> int:
         return len(self._batches())
@@ -82,46 +88,187 @@ def pad_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-class FeatureDataModule(pl.LightningDataModule):
+class _LengthBatched(pl.LightningDataModule):
+    """Shared loaders: length-bucketed batches over `self.dataset` split into train/val indices."""
+
+    online = False
+    _train_sampler: LengthBatchSampler | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands in the epoch, so that a mid-epoch resume skips the batches done."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        return {"epoch": trainer.current_epoch,
+                "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.ready}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state) if state else None
+        if self._train_sampler is not None:
+            self._train_sampler.resume = self._resume
+
+    def _split(self, ids: list[str]) -> None:
+        splits = np.array([split_of(i, self.val_fraction) for i in ids])
+        self.train_indices = np.flatnonzero(splits == "train")
+        self.val_indices = np.flatnonzero(splits == "val")
+        if len(self.train_indices) == 0:
+            raise DraftsmithError(f"no training records ({len(ids)} in all, val_fraction {self.val_fraction})")
+
+    def _loader(self, indices: np.ndarray, shuffle: bool) -> torch.utils.data.DataLoader:
+        trainer = getattr(self, "trainer", None)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        sampler = LengthBatchSampler(self.lengths, indices, self.max_tokens, self.max_batch_size,
+                                     shuffle=shuffle, seed=self.seed, rank=rank, world_size=world)
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=pad_collate,
+                                           num_workers=self.num_workers,
+                                           persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        loader = self._loader(self.train_indices, shuffle=True)
+        self._train_sampler = loader.batch_sampler
+        self._train_sampler.resume = getattr(self, "_resume", None)
+        return loader
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.val_indices, shuffle=False)
+
+
+class FeatureDataModule(_LengthBatched):
     """Offline features: reads the shards written by `draftsmith extract`.
 
     Args:
         features_dir: the directory `draftsmith extract --out` wrote.
-        layer_ids: extra hidden states to load as `aux` (must have been extracted).
+        layer_ids: extra hidden states to load as `aux` (None: those the drafter asks for).
         val_fraction: share of conversations (by id hash) held out for validation.
         max_tokens: padded tokens per batch (B * T).
         max_batch_size: records per batch at most.
         num_workers: DataLoader worker processes.
         seed: shuffling seed (the batch order changes every epoch).
+        target: the target, for the `draftsmith extract` hint when no features exist yet.
+        data: the chat source, for that hint.
+        max_length: the max length, for that hint.
+        limit: the conversation limit, for that hint.
     """
 
     def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = 0.05,
-                 max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0):
+                 max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
+                 target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None):
         super().__init__()
         self.features_dir, self.layer_ids = features_dir, list(layer_ids or [])
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
+        self.hint = dict(target=target, data=data, max_length=max_length, limit=limit)
         self.reader: FeatureReader | None = None
+
+    def extract_command(self, layer_ids: list[int] | None = None) -> str:
+        h = self.hint
+        cmd = (f"draftsmith extract --target {h['target'] or 'TARGET'} --data {h['data']} "
+               f"--out {self.features_dir} --max-length {h['max_length']}")
+        if h["limit"] is not None:
+            cmd += f" --limit {h['limit']}"
+        ids = layer_ids if layer_ids is not None else self.layer_ids
+        return cmd + (f" --layer_ids [{','.join(map(str, ids))}]" if ids else "")
 
     def setup(self, stage: str | None = None) -> None:
         if self.reader is not None:
             return
+        try:
+            read_manifest(self.features_dir)
+        except DraftsmithError as e:
+            raise DraftsmithError(f"{e}\nmake the features with:\n  {self.extract_command()}") from None
         self.reader = FeatureReader(self.features_dir, self.layer_ids)
-        splits = np.array([split_of(i, self.val_fraction) for i in self.reader.ids])
-        self.train_indices = np.flatnonzero(splits == "train")
-        self.val_indices = np.flatnonzero(splits == "val")
+        self.dataset, self.lengths = self.reader, self.reader.lengths
+        self._split(self.reader.ids)
 
-    def _loader(self, indices: np.ndarray, shuffle: bool) -> torch.utils.data.DataLoader:
-        trainer = getattr(self, "trainer", None)
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        sampler = LengthBatchSampler(self.reader.lengths, indices, self.max_tokens, self.max_batch_size,
-                                     shuffle=shuffle, seed=self.seed, rank=rank, world_size=world)
-        return torch.utils.data.DataLoader(self.reader, batch_sampler=sampler, collate_fn=pad_collate,
-                                           num_workers=self.num_workers,
-                                           persistent_workers=self.num_workers > 0)
+    def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
+        """Refuse features from another target; load the aux layers the drafter fuses."""
+        manifest = self.reader.manifest
+        diffs = [f"{k}: {manifest['target'].get(k)!r} in the features, {v!r} for the drafter"
+                 for k, v in identity.items() if k not in ("name", "adapter") and manifest["target"].get(k) != v]
+        if diffs:
+            raise DraftsmithError(
+                f"features in {self.features_dir} come from another target ({'; '.join(diffs)}); "
+                f"re-extract them for this target:\n  {self.extract_command(aux_layer_ids)}"
+            )
+        missing = [i for i in aux_layer_ids if i not in manifest["layer_ids"]]
+        if missing:
+            raise DraftsmithError(
+                f"features in {self.features_dir} hold layers {manifest['layer_ids']}, the drafter fuses "
+                f"{aux_layer_ids} (missing {missing}); re-extract:\n  {self.extract_command(aux_layer_ids)}"
+            )
+        self.reader.layer_ids = list(aux_layer_ids)
 
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.train_indices, shuffle=True)
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id is an assistant token in the training split, (V,)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        train = set(self.train_indices.tolist())
+        start = 0
+        for s, shard in enumerate(self.reader.manifest["shards"]):
+            f = self.reader._file(s)
+            ids, mask, offsets = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets")
+            keep = torch.zeros_like(mask)
+            for r in range(len(offsets) - 1):
+                if start + r in train:
+                    keep[offsets[r]:offsets[r + 1]] = True
+            start += len(offsets) - 1
+            counts += torch.bincount(ids[mask & keep], minlength=vocab_size)[:vocab_size]
+        return counts
 
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.val_indices, shuffle=False)
+
+class ChatDataModule(_LengthBatched):
+    """Online features: tokenized chats; the frozen target runs inside the training step.
+
+    Args:
+        target: the target whose tokenizer and chat template to use.
+        data: the chat source (as for `draftsmith data stats`).
+        max_length: tokens per chat.
+        limit: use only the first LIMIT kept conversations.
+        val_fraction: share of conversations (by id hash) held out for validation.
+        max_tokens: padded tokens per batch (B * T).
+        max_batch_size: records per batch at most.
+        num_workers: DataLoader worker processes.
+        seed: shuffling seed.
+    """
+
+    online = True
+
+    def __init__(self, target: str, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
+                 val_fraction: float = 0.05, max_tokens: int = 16384, max_batch_size: int = 64,
+                 num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        self.target, self.data, self.max_length, self.limit = target, data, max_length, limit
+        self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
+        self.num_workers, self.seed = num_workers, seed
+        self.dataset = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.dataset is not None:
+            return
+        from collections import Counter
+
+        from draftsmith.data.chat import MaskAudit, tokenize_many, tokenizer_hash
+        from draftsmith.data.conversations import load_conversations
+        from draftsmith.models.target import load_tokenizer
+
+        tokenizer = load_tokenizer(self.target)
+        self.tokenizer_hash = tokenizer_hash(tokenizer)
+        convs, _ = load_conversations(self.data, limit=self.limit)
+        audit = MaskAudit()
+        chats = tokenize_many(tokenizer, convs, self.max_length, Counter(), Counter(), audit)
+        audit.check(self.data)
+        self.dataset = [{"id": c.id, "input_ids": torch.tensor(c.input_ids), "loss_mask": torch.tensor(c.loss_mask).bool()}
+                        for c in chats]
+        self.lengths = np.array([len(c.input_ids) for c in chats])
+        self._split([c.id for c in chats])
+
+    def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
+        if identity["tokenizer_hash"] != self.tokenizer_hash:
+            raise DraftsmithError(f"tokenizer of {self.target} (hash {self.tokenizer_hash}) differs from the "
+                                  f"drafter's target ({identity['tokenizer_hash']}); use the same target for both")
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in self.train_indices:
+            item = self.dataset[i]
+            counts += torch.bincount(item["input_ids"][item["loss_mask"]], minlength=vocab_size)[:vocab_size]
+        return counts

@@ -1,0 +1,106 @@
+"""EAGLE-3-style drafter (Li et al. 2025, arXiv:2503.01840): fused target layers, pruned vocab.
+
+fc (no bias) maps the concatenation of k target layers (default ids [2, N//2, N-3]) to H.
+The single decoder layer attends over concat(input_layernorm(embed(x_{t+1})),
+hidden_norm(g_t)) (2H wide); the residual stream is g_t. The drafter has its own final
+norm and a head over a draft vocabulary of Vd tokens: `d2t[i]` is the offset such that
+target id = i + d2t[i], and `t2d` marks the target ids in the draft vocabulary. During
+training-time test the drafter's own output replaces fc(fused) as g.
+
+Notation: B batch, T sequence, H hidden, Ht target hidden, k fused layers, V vocab, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftsmith.models.common import drafter_config, family_classes, frozen_embedding, init_linear_
+
+
+class Eagle3Layer(nn.Module):
+    """A decoder layer of the target's family whose attention reads 2H features."""
+
+    def __init__(self, config: Any, classes: Any):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = classes.norm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = classes.norm(h, eps=config.rms_norm_eps)
+        self.self_attn = classes.attention(config, layer_idx=0)
+        attn = self.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.post_attention_layernorm = classes.norm(h, eps=config.rms_norm_eps)
+        self.mlp = classes.mlp(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
+                position_embeddings: Any, cache: Any = None) -> torch.Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        x, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                              past_key_values=cache, position_embeddings=position_embeddings)
+        hidden = residual + x
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                 norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int):
+        super().__init__()
+        self.config = drafter_config(target_config)
+        classes = family_classes(self.config)
+        h, v = self.config.hidden_size, embed_weight.shape[0]
+        self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
+        self.fc = nn.Linear(num_aux * target_hidden_size, h, bias=False)
+        self.layer = Eagle3Layer(self.config, classes)
+        self.rotary = classes.rotary(self.config)
+        self.norm = classes.norm(h, eps=self.config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, len(draft_ids), bias=False)  # (Vd, H)
+        init_linear_(nn.ModuleList([self.fc, self.layer]), self.config.initializer_range)
+        with torch.no_grad():  # start from the target's own head rows and final norm
+            self.lm_head.weight.copy_(head_weight[draft_ids])
+            if norm_weight is not None:
+                self.norm.weight.copy_(norm_weight)
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[draft_ids] = True
+        self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids)))  # (Vd,) offsets
+        self.register_buffer("t2d", t2d)  # (V,)
+        self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """(Vd,) target id of every draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    def project(self, final: torch.Tensor | None, aux: torch.Tensor) -> torch.Tensor:
+        """The step-0 feature from the fused target layers: (B, T, k*Ht) → (B, T, H)."""
+        return self.fc(aux)
+
+    def forward(self, input_ids: torch.Tensor, feature: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None, cache: Any = None) -> torch.Tensor:
+        """(B, T) tokens x_{t+1}, (B, T, H) fused or fed-back features → (B, T, H) hidden."""
+        embeds = self.embed_tokens(input_ids).to(feature.dtype)
+        return self.layer(embeds, feature, attention_mask, position_ids, self.rotary(feature, position_ids), cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) → (B, T, Vd) over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+
+def draft_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:
+    """The `size` most frequent target ids (ties by id), always including `always`; sorted ids."""
+    size = min(size, len(token_counts))
+    counts = token_counts.clone().double()
+    counts[list(always)] = float("inf")
+    order = torch.argsort(-counts, stable=True)[:size]
+    return torch.sort(order).values

@@ -1,0 +1,289 @@
+"""LightningModule for feature drafters: EAGLE-1/2, HASS, EAGLE-3 training-time test.
+
+One mechanism covers HASS's harmonized context alignment and EAGLE-3's training-time
+test: step 0 feeds target features; step j feeds the drafter's own step j-1 outputs at the
+same anchors, tokens shifted by j, and attends to step-0 keys causally plus its own chain's
+keys of steps 1..j (`alignment_mask`). Keys accumulate in one buffer, so step j costs one
+pass over T anchors, not j+1 copies of the sequence. Loss at step j is weighted w_j.
+
+Data alignment (T tokens x_0..x_{T-1}, target features f_t predict x_{t+1}): anchor t in
+step j reads token x_{t+1+j} and predicts f_{t+1+j} and p_{t+1+j} = softmax(head(f_{t+1+j}));
+it carries loss where x_{t+1+j} is an assistant token.
+
+Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), N selected positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
+from draftsmith.train.losses import feature_regression, soft_cross_entropy, step_weights, topk_distillation, uniform_noise
+from draftsmith.train.metrics import DraftAcceptance
+
+FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
+
+
+def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
+    """x[:, 1+j : 1+j+length] padded with zeros/False to `length` along dim 1."""
+    y = x[:, 1 + j : 1 + j + length]
+    pad = length - y.shape[1]
+    return y if pad <= 0 else F.pad(y, (0, 0) * (y.dim() - 2) + (0, pad))
+
+
+def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor,
+                      steps: int) -> list[torch.Tensor]:
+    """The drafter's hidden output at every anchor for steps 0..steps-1, each (B, T, H).
+
+    ids (B, T+1) tokens, feature (B, T, H) step-0 features at anchors 0..T-1, anchors (B, T)
+    real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs.
+    """
+    t = feature.shape[1]
+    positions = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], t)
+    cache, hiddens = KVBuffer(), []
+    for j in range(steps):
+        feature = drafter(shift(ids, j, t), feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
+        hiddens.append(feature)
+    return hiddens
+
+
+class DrafterModule(pl.LightningModule):
+    """Train a feature drafter for `target` on offline feature shards or online target features.
+
+    Args:
+        target: the target model (as for `draftsmith extract --target`).
+        kind: "eagle" (EAGLE-1/2 and HASS: one layer on [embed; feature], the target's head) or
+            "eagle3" (fused target layers, own norm and a pruned-vocabulary head).
+        aux_layer_ids: target layers fused by EAGLE-3 (default [2, N//2, N-3]).
+        draft_vocab_size: EAGLE-3 draft vocabulary Vd (the most frequent assistant tokens); None = full.
+        alignment_steps: n, the steps of context alignment / training-time test (1 = plain EAGLE).
+        step_weight_decay: w_j = decay^j for step j.
+        feature_weight: weight of the smooth-L1 feature regression (EAGLE only).
+        ce_weight: weight of the soft cross-entropy against the target distribution.
+        topk_weight: weight of HASS's Top-K distillation loss.
+        topk: K of the Top-K loss.
+        feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps, then cosine decay to min_lr_ratio * lr.
+        min_lr_ratio: final learning rate as a fraction of lr.
+        metric_top_k: K for the validation top-K agreement.
+        target_dtype: dtype the target is loaded in (online features and the frozen parts).
+    """
+
+    def __init__(self, target: str, kind: Literal["eagle", "eagle3"] = "eagle", aux_layer_ids: list[int] | None = None,
+                 draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
+                 feature_weight: float = 1.0, ce_weight: float = 0.1, topk_weight: float = 0.0, topk: int = 10,
+                 feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
+                 metric_top_k: int = 5, target_dtype: str = "float32"):
+        super().__init__()
+        if alignment_steps < 1:
+            raise DraftsmithError(f"alignment_steps must be >= 1, got {alignment_steps}")
+        if kind == "eagle3" and feature_weight and topk_weight == 0 and ce_weight == 0:
+            raise DraftsmithError("EAGLE-3 has no feature regression: set ce_weight or topk_weight > 0")
+        self.save_hyperparameters()
+        self.drafter: torch.nn.Module | None = None
+        self.val_metric = DraftAcceptance(alignment_steps, metric_top_k)
+        self._target = None  # the frozen target, kept out of the module tree (never in an optimizer)
+
+    # --- construction ----------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.drafter is not None:
+            return
+        from draftsmith.models.target import load_target
+
+        target = load_target(self.hparams.target, dtype=self.hparams.target_dtype)
+        self.identity = target.identity.as_dict()
+        head = target.lm_head.weight.detach()
+        embed = target.embed_tokens.weight.detach()
+        if self.hparams.kind == "eagle":
+            from draftsmith.models.eagle import EagleDrafter
+
+            self.drafter = EagleDrafter(target.config, embed, head)
+            self.target_head = self.drafter.lm_head
+            self.aux_layer_ids = []
+        else:
+            from draftsmith.models.eagle3 import Eagle3Drafter
+
+            self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids())
+            draft_ids = self._draft_ids(target)
+            norm = getattr(target.decoder, "norm", None)
+            self.drafter = Eagle3Drafter(target.config, embed, head, norm.weight if norm is not None else None,
+                                         draft_ids, len(self.aux_layer_ids), target.hidden_size)
+            self.target_head = frozen_linear(head)
+        if self._online():
+            self._target = target
+        self.drafter.to(self.device)
+
+    def _online(self) -> bool:
+        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
+        return dm is not None and getattr(dm, "online", False)
+
+    def _draft_ids(self, target: Any) -> torch.Tensor:
+        """EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data."""
+        from draftsmith.models.eagle3 import draft_vocab
+
+        vd = self.hparams.draft_vocab_size or target.vocab_size
+        if vd >= target.vocab_size:
+            return torch.arange(target.vocab_size)
+        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
+        if dm is None or not hasattr(dm, "token_counts"):
+            raise DraftsmithError("a pruned draft vocabulary needs the training data's token counts; "
+                                  "train with a draftsmith DataModule (or set draft_vocab_size: null)")
+        specials = [i for i in (target.tokenizer.eos_token_id, target.tokenizer.pad_token_id) if i is not None]
+        return draft_vocab(dm.token_counts(target.vocab_size), vd, always=specials)
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "check_compatible"):
+            dm.check_compatible(self.identity, self.aux_layer_ids)
+
+    # --- checkpoints leave the frozen target parts out; they come back from the target ---------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(FROZEN_PREFIXES) or k == "drafter.lm_head.weight" and self.hparams.kind == "eagle"]:
+            del state[key]
+        checkpoint["draftsmith"] = {"target_identity": self.identity, "aux_layer_ids": self.aux_layer_ids,
+                                    "kind": self.hparams.kind}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()
+        saved = checkpoint.get("draftsmith", {}).get("target_identity")
+        if saved is not None:
+            diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items()
+                     if k not in ("name", "adapter") and saved.get(k) != v]
+            if diffs:
+                raise DraftsmithError(f"checkpoint was trained for another target ({'; '.join(diffs)}); "
+                                      "use the target it was trained for")
+        own = self.state_dict()
+        for key, value in own.items():
+            if key not in checkpoint["state_dict"] and (key.startswith(FROZEN_PREFIXES) or key == "drafter.lm_head.weight"):
+                checkpoint["state_dict"][key] = value
+
+    # --- the alignment forward shared by training and validation ------------------------------------
+    def _features(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target features (B, T, H) and fused aux (B, T, k*Ht), from the batch or the online target."""
+        if "final" in batch:
+            return batch["final"], batch.get("aux")
+        if self._target is None:
+            raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
+        final, extra = self._target.features(batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids)
+        aux = torch.cat([extra[i] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
+        return final, aux
+
+
+    def _target_space(self, draft_logits_or_ids: torch.Tensor) -> torch.Tensor:
+        mapping = self.drafter.draft_to_target
+        return draft_logits_or_ids if mapping is None else mapping[draft_logits_or_ids]
+
+    @torch.no_grad()
+    def _target_table(self, final: torch.Tensor, carries: torch.Tensor, with_top1: bool) -> tuple[torch.Tensor, ...]:
+        """Target distributions at every position that carries loss in any step, computed once.
+
+        Returns row (B, T+1) → table row (-1 where none), p (M, V or Vd) and, for metrics,
+        the target's full-vocabulary argmax (M,).
+        """
+        need = carries.clone()
+        need[:, 0] = False  # position 0 is never predicted
+        row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+        row[need] = torch.arange(int(need.sum()), device=need.device)
+        feats = final[need]  # (M, H)
+        rows = self.drafter.draft_to_target
+        weight = self.target_head.weight if rows is None else self.target_head.weight[rows]
+        p = torch.softmax((feats.to(weight.dtype) @ weight.T).float(), dim=-1)  # (M, V or Vd)
+        top1 = None
+        if with_top1:
+            top1 = p.argmax(-1) if rows is None else (feats.to(weight.dtype) @ self.target_head.weight.T).argmax(-1)
+        return row, p, top1
+
+    def alignment_forward(self, batch: dict[str, Any], with_metrics: bool) -> dict[str, torch.Tensor]:
+        ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+        final, aux = self._features(batch)
+        dtype = self.drafter.fc.weight.dtype  # bf16 shards meet fp32 weights; autocast decides matmuls
+        final, aux = final.to(dtype), (aux.to(dtype) if aux is not None else None)
+        t = ids.shape[1] - 1
+        anchors = valid[:, :-1]  # (B, T)
+        carries = batch["loss_mask"].bool() & valid  # (B, T+1): x_i is a real assistant token
+        row, table, top1 = self._target_table(final, carries, with_metrics)
+        feature = self.drafter.project(final[:, :-1], aux[:, :-1] if aux is not None else None)
+        if self.training and self.hparams.kind == "eagle":
+            feature = uniform_noise(feature, self.hparams.feature_noise)
+        weights = step_weights(self.hparams.alignment_steps, self.hparams.step_weight_decay)
+        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, self.hparams.alignment_steps)
+        total, parts = 0.0, {}
+        for j, hidden in enumerate(hiddens):
+            sel = anchors & shift(carries, j, t)  # (B, T)
+            if not sel.any():
+                continue
+            rows = shift(row, j, t)[sel]  # (N,) table rows of the targets f_{t+1+j}
+            p, every = table[rows], sel.new_ones(len(rows))
+            logits = self.drafter.logits(hidden[sel])  # (N, V or Vd)
+            loss = 0.0
+            if self.hparams.kind == "eagle" and self.hparams.feature_weight:
+                parts[f"feature_{j}"] = feature_regression(hidden[sel], shift(final, j, t)[sel], every)
+                loss = loss + self.hparams.feature_weight * parts[f"feature_{j}"]
+            if self.hparams.ce_weight:
+                parts[f"ce_{j}"] = soft_cross_entropy(logits, p, every)
+                loss = loss + self.hparams.ce_weight * parts[f"ce_{j}"]
+            if self.hparams.topk_weight:
+                parts[f"topk_{j}"] = topk_distillation(logits, p, min(self.hparams.topk, p.shape[-1]), every)
+                loss = loss + self.hparams.topk_weight * parts[f"topk_{j}"]
+            total = total + weights[j] * loss
+            if with_metrics:
+                with torch.no_grad():
+                    q = torch.softmax(logits.float(), -1)
+                    draft_topk = self._target_space(logits.topk(self.val_metric.top_k, -1).indices)
+                    self.val_metric.update(j, draft_topk, top1[rows], torch.minimum(p, q).sum(-1))
+        if not torch.is_tensor(total):  # no position carried loss in this batch
+            total = sum(p.sum() * 0.0 for p in self.drafter.parameters() if p.requires_grad)
+        return {"loss": total, **parts}
+
+    # --- Lightning hooks -------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        out = self.alignment_forward(batch, with_metrics=False)
+        if not torch.isfinite(out["loss"]):
+            bad = {k: float(v) for k, v in out.items()}
+            raise DraftsmithError(
+                f"non-finite loss at step {self.global_step} (batch {batch_idx}): {bad}; check the features "
+                "for inf/NaN (bf16 overflow), lower the learning rate, or enable gradient clipping"
+            )
+        tokens = int((batch["loss_mask"] & batch["attention_mask"]).sum())
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=tokens)
+        for k, v in out.items():
+            if k != "loss":
+                self.log(f"train/{k}", v, batch_size=tokens)
+        return out["loss"]
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        out = self.alignment_forward(batch, with_metrics=True)
+        self.log("val/loss", out["loss"], batch_size=int(batch["loss_mask"].sum()), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        for k, v in self.val_metric.compute().items():
+            self.log(f"val/{k}", v, prog_bar=k == "tau", sync_dist=False)
+        self.val_metric.reset()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
+                                weight_decay=self.hparams.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+                                                   "interval": "step"}}

@@ -1,0 +1,44 @@
+"""Validation metrics for drafters (METRICS.md, "Simulated acceptance during training").
+
+Per alignment step j: top-1 agreement acc_j of the drafter's argmax with the target's,
+top-K agreement (the target's argmax among the drafter's top K), and the expected
+acceptance of sampling at temperature 1, Σ_v min(p(v), q(v)). The simulated acceptance
+length is τ̂ = 1 + Σ_k Π_{i≤k} acc_i (greedy chain, bonus token counted); with the
+expected acceptances in place of acc_i it is the T = 1 estimate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+
+class DraftAcceptance(Metric):
+    full_state_update = False
+
+    def __init__(self, num_steps: int, top_k: int = 5):
+        super().__init__()
+        self.num_steps, self.top_k = num_steps, top_k
+        for name in ("top1", "topk", "expected", "count"):
+            self.add_state(name, default=torch.zeros(num_steps, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, step: int, draft_topk: torch.Tensor, target_top1: torch.Tensor, overlap: torch.Tensor) -> None:
+        """draft_topk (N, K) target ids, best first; target_top1 (N,); overlap (N,) Σ min(p, q)."""
+        self.top1[step] += (draft_topk[:, 0] == target_top1).sum()
+        self.topk[step] += (draft_topk == target_top1[:, None]).any(-1).sum()
+        self.expected[step] += overlap.double().sum()
+        self.count[step] += len(target_top1)
+
+    @staticmethod
+    def chain_length(rates: torch.Tensor) -> torch.Tensor:
+        """1 + Σ_k Π_{i≤k} rate_i."""
+        return 1 + torch.cumprod(rates, 0).sum()
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        n = self.count.clamp_min(1)
+        acc, topk, expected = self.top1 / n, self.topk / n, self.expected / n
+        out = {"tau": self.chain_length(acc), "tau_t1": self.chain_length(expected)}
+        for j in range(self.num_steps):
+            out[f"acc_{j}"] = acc[j]
+            out[f"top{self.top_k}_{j}"] = topk[j]
+        return {k: v.float() for k, v in out.items()}

@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from draftsmith.models.common import KVBuffer, alignment_mask
+from draftsmith.models.eagle import EagleDrafter
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.train.drafter import alignment_hiddens
+from tests.conftest import make_llama
+
+V, H = 50, 32
+
+
+def tiny_drafter(kind):
+    torch.manual_seed(0)
+    target = make_llama(V, hidden=H)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    if kind == "eagle":
+        return EagleDrafter(target.config, embed, head).eval()
+    return Eagle3Drafter(target.config, embed, head, target.model.norm.weight, torch.arange(0, V, 2), 3, H).eval()
+
+
+def test_alignment_mask_pattern():
+    valid = torch.tensor([[True, True, True, False]])
+    m = alignment_mask(valid, 2)[0, 0].int()
+    # keys: step-0 block (causal over real positions) | step-1 diagonal | step-2 diagonal
+    assert m.tolist() == [
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1],
+    ]
+
+
+def decode_chain(drafter, ids, feature, t, steps):
+    """What decoding does from a real prefix ending at anchor t: step 0 over target features
+    (causal), then one token at a time, each fed the previous step's output."""
+    cache = KVBuffer()
+    n = t + 1
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    h = drafter(ids[:, 1 : n + 1], feature[:, :n], torch.arange(n)[None], causal, cache)
+    outs, prev = [h[:, t]], h[:, t : t + 1]
+    for j in range(1, steps):
+        keys = cache.get_seq_length() + 1
+        prev = drafter(ids[:, t + 1 + j : t + 2 + j], prev, torch.tensor([[t + j]]), torch.ones(1, 1, 1, keys, dtype=torch.bool), cache)
+        outs.append(prev[:, 0])
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_alignment_step_j_equals_decoding_with_its_own_features(kind):
+    """Step j at anchor t sees target-feature keys up to t and its own chain's keys of steps
+    1..j, with positions t+j: the same hidden state decoding produces."""
+    drafter = tiny_drafter(kind)
+    steps, t_len = 3, 12
+    ids = torch.randint(0, V, (2, t_len + 1))
+    final = torch.randn(2, t_len + 1, H)
+    aux = torch.randn(2, t_len + 1, 3 * H)
+    valid = torch.ones(2, t_len + 1, dtype=torch.bool)
+    valid[1, 9:] = False  # the second record is padded after 9 tokens
+    with torch.no_grad():
+        feature = drafter.project(final[:, :-1], aux[:, :-1])
+        hiddens = alignment_hiddens(drafter, ids, feature, valid[:, :-1], steps)
+        for row, length in ((0, t_len + 1), (1, 9)):
+            for t in range(length - steps):
+                chain = decode_chain(drafter, ids[row : row + 1], feature[row : row + 1], t, steps)
+                for j in range(steps):
+                    torch.testing.assert_close(hiddens[j][row, t], chain[j][0], atol=2e-5, rtol=1e-4,
+                                               msg=f"row {row} anchor {t} step {j}")
+    # step 1 is not step 0 applied again: it really reads the drafter's own features
+    assert not torch.allclose(hiddens[1], hiddens[0], atol=1e-3)
+
+
+def test_eagle3_vocab_mapping():
+    drafter = tiny_drafter("eagle3")
+    assert drafter.vocab_size == 25 and drafter.t2d.sum() == 25
+    assert torch.equal(drafter.draft_to_target, torch.arange(0, V, 2))
+    torch.testing.assert_close(drafter.lm_head.weight, make_llama(V, hidden=H).lm_head.weight[::2])

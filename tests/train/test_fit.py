@@ -1,0 +1,149 @@
+"""Training through the real CLI on tiny features: logging, frozen target, resume, DDP, bad input."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from draftsmith import DraftsmithError
+from draftsmith.extract import ExtractConfig, extract
+from tests.conftest import run_cli, sample_chats, save_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny_features(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    target = save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(48)))
+    extract(ExtractConfig(target=str(target), data=str(root / "chats.json"), out=str(root / "features"),
+                          layer_ids=[0, 1, 2], max_length=256, batch_tokens=512, dtype="float32",
+                          feature_dtype="float32", shard_size=16))
+    return root
+
+
+def recipe(root, tmp_path, **model):
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
+                    "check_val_every_n_epoch": None, "enable_progress_bar": False,
+                    "default_root_dir": str(tmp_path / "run"),
+                    "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(tmp_path / "run"), "name": "logs", "version": 0}},
+                    "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"), "save_last": True,
+                                                 "every_n_train_steps": 1, "save_top_k": -1}}]},
+        "model": {"class_path": "draftsmith.train.drafter.DrafterModule",
+                  "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
+                                "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
+        "data": {"class_path": "draftsmith.data.modules.FeatureDataModule",
+                 "init_args": {"features_dir": str(root / "features"), "max_tokens": 300, "val_fraction": 0.2}},
+    }
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def trained_state(ckpt):
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("drafter.")}
+
+
+def test_fit_logs_tau_per_validation_and_keeps_the_target_frozen(tiny_features, tmp_path):
+    from draftsmith.cli import lightning_cli
+
+    cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40,
+                                                aux_layer_ids=[0, 1, 2]))], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    model = cli.model
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert "drafter.embed_tokens.weight" in frozen and "target_head.weight" in frozen
+    optimized = {id(p) for g in cli.trainer.optimizers[0].param_groups for p in g["params"]}
+    assert not any(id(p) in optimized for n, p in model.named_parameters() if n in frozen)
+    from draftsmith.models.target import load_target
+    target = load_target(str(tiny_features / "target"))
+    assert torch.equal(model.target_head.weight, target.lm_head.weight)
+    assert torch.equal(model.drafter.embed_tokens.weight, target.embed_tokens.weight)
+    assert model.drafter.vocab_size == 40
+    rows = [json.loads(json.dumps(r)) for r in __import__("csv").DictReader(open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv"))]
+    taus = [float(r["val/tau"]) for r in rows if r.get("val/tau")]
+    assert len(taus) == 2 and all(1.0 <= t <= 3.0 for t in taus)
+    ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert not any(k.startswith(("drafter.embed_tokens", "target_head")) for k in ckpt["state_dict"])
+
+
+KILL_AT_STEP_4 = textwrap.dedent("""
+    import os, signal, sys
+    import pytorch_lightning as pl
+    from draftsmith.cli import lightning_cli
+    class Die(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+    cli = lightning_cli(sys.argv[1:], run=False)
+    cli.trainer.callbacks.insert(len(cli.trainer.callbacks), Die())  # after the checkpoint callback
+    cli.trainer.fit(cli.model, cli.datamodule)
+""")
+
+
+def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_path):
+    whole = recipe(tiny_features, tmp_path / "a")
+    result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    broken = recipe(tiny_features, tmp_path / "b")
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(broken), "--trainer.max_steps", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "b" / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4 and ckpt["FeatureDataModule"]["batches_done"] == 4  # mid-epoch
+    resumed = run_cli("fit", "--config", str(broken), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = trained_state(tmp_path / "a" / "run" / "ckpt" / "last.ckpt")
+    b = trained_state(tmp_path / "b" / "run" / "ckpt" / "last.ckpt")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tiny_features, tmp_path):
+    two = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path / "ddp")), "--trainer.max_steps", "3",
+                  "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.val_check_interval", "null",
+                  "--trainer.limit_val_batches", "0", timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path / "one")), "--trainer.max_steps", "3",
+                  "--trainer.accumulate_grad_batches", "2", "--trainer.val_check_interval", "null",
+                  "--trainer.limit_val_batches", "0")
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = trained_state(tmp_path / "ddp" / "run" / "ckpt" / "last.ckpt")
+    b = trained_state(tmp_path / "one" / "run" / "ckpt" / "last.ckpt")
+    start = trained_state(sorted((tmp_path / "one" / "run" / "ckpt").glob("epoch=0-step=1*.ckpt"))[0])
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
+    assert any(not torch.allclose(start[k], b[k]) for k in b)  # it trained
+
+
+def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp_path):
+    other = save_tiny_target(tmp_path / "other", seed=3)
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--model.init_args.target", str(other))
+    assert result.returncode == 2 and "come from another target" in result.stderr
+    assert "weights_fingerprint" in result.stderr and "draftsmith extract --target" in result.stderr
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--data.init_args.features_dir", str(tmp_path / "none"))
+    assert result.returncode == 2 and "make the features with:\n  draftsmith extract --target" in result.stderr
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 3])))
+    assert result.returncode == 2 and "out of range" in result.stderr
+
+
+def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
+    from draftsmith.cli import lightning_cli
+
+    cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path)), "--trainer.max_steps", "1"], run=False)
+    cli.model.configure_model()
+    with torch.no_grad():
+        cli.model.drafter.fc.weight.fill_(float("nan"))
+    with pytest.raises(DraftsmithError, match="non-finite loss at step 0"):
+        cli.trainer.fit(cli.model, cli.datamodule)

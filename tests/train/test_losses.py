@@ -1,0 +1,55 @@
+import math
+
+import torch
+
+from draftsmith.train.losses import (feature_regression, forward_kl, soft_cross_entropy, step_weights,
+                                     topk_distillation, uniform_noise)
+
+# one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+P = torch.tensor([[0.7, 0.2, 0.1]])
+ONE = torch.tensor([True])
+
+
+def test_soft_cross_entropy_by_hand():
+    expected = -(0.7 * math.log(0.5) + 0.2 * math.log(0.25) + 0.1 * math.log(0.25))
+    assert math.isclose(soft_cross_entropy(LOGITS, P, ONE).item(), expected, rel_tol=1e-6)
+
+
+def test_topk_distillation_by_hand():
+    # top-2 of p are tokens 0 and 1: -(0.7 log 0.5 + 0.2 log 0.25)
+    expected = -(0.7 * math.log(0.5) + 0.2 * math.log(0.25))
+    assert math.isclose(topk_distillation(LOGITS, P, 2, ONE).item(), expected, rel_tol=1e-6)
+    assert math.isclose(topk_distillation(LOGITS, P, 3, ONE).item(), soft_cross_entropy(LOGITS, P, ONE).item(), rel_tol=1e-6)
+
+
+def test_forward_kl_by_hand():
+    target_logits = torch.log(P)
+    expected = sum(p * math.log(p / q) for p, q in zip([0.7, 0.2, 0.1], [0.5, 0.25, 0.25]))
+    assert math.isclose(forward_kl(LOGITS, target_logits, ONE).item(), expected, rel_tol=1e-5)
+    # top-2: p renormalized over {0, 1} = [7/9, 2/9]
+    expected2 = 7 / 9 * math.log((7 / 9) / 0.5) + 2 / 9 * math.log((2 / 9) / 0.25)
+    assert math.isclose(forward_kl(LOGITS, target_logits, ONE, top_k=2).item(), expected2, rel_tol=1e-5)
+    assert forward_kl(target_logits, target_logits, ONE).abs().item() < 1e-6
+
+
+def test_feature_regression_by_hand_and_mask():
+    pred = torch.tensor([[0.0, 0.0], [5.0, 5.0]])
+    goal = torch.tensor([[0.5, 2.0], [0.0, 0.0]])
+    # smooth L1 (beta 1): 0.5*0.5^2 = 0.125 and |2|-0.5 = 1.5 → mean 0.8125; the masked row is ignored
+    assert math.isclose(feature_regression(pred, goal, torch.tensor([True, False])).item(), 0.8125, rel_tol=1e-6)
+
+
+def test_masked_positions_do_not_count():
+    logits = torch.cat([LOGITS, torch.zeros(1, 3)])
+    p = torch.cat([P, torch.tensor([[1.0, 0.0, 0.0]])])
+    assert math.isclose(soft_cross_entropy(logits, p, torch.tensor([True, False])).item(),
+                        soft_cross_entropy(LOGITS, P, ONE).item(), rel_tol=1e-6)
+
+
+def test_noise_and_step_weights():
+    x = torch.zeros(1000)
+    noisy = uniform_noise(x, 0.2)
+    assert noisy.abs().max() <= 0.1 and noisy.std() > 0.04
+    assert torch.equal(uniform_noise(x, 0.0), x)
+    assert step_weights(3, 0.5) == [1.0, 0.5, 0.25]
