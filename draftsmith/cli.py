@@ -98,7 +98,29 @@ def extract(target: str, data: str, out: str, layer_ids: list[int] | None = None
         Console().print(summary_table(manifest, out))
 
 
-COMMANDS = {"data": {"stats": data_stats}, "extract": extract}
+def export(checkpoint: str, format: str = "native", out: str = "export", speculative_tokens: int = 3) -> None:
+    """Export a trained drafter (a .ckpt, or a run directory: its best-*.ckpt, else last.ckpt).
+
+    Each export is checked against its consumer's contract (tensor names and shapes, config
+    fields), then reloaded and its logits compared with the trained module's.
+
+    Args:
+        checkpoint: the Lightning checkpoint or run directory.
+        format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
+        out: the output directory.
+        speculative_tokens: tokens per proposal written into the speculators config.
+    """
+    from rich.console import Console
+
+    from draftsmith.export import export as run_export
+
+    result = run_export(checkpoint, format, out, speculative_tokens)
+    Console().print(f"[bold]exported[/] {result['kind']} drafter as {result['format']}: "
+                    f"{', '.join(result['directories'])} (contract ok, reloaded logits within "
+                    f"{result['max_logit_error']:.1e})")
+
+
+COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 
@@ -145,8 +167,13 @@ def _print_stats(stats: dict[str, Any]) -> None:
     Console().print(table)
 
 
+POSITIONAL = {"export": "--checkpoint"}  # `draftsmith export CKPT ...`
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """`--max-length` → `--max_length`; a bare boolean flag → `--flag=true`."""
+    """`--max-length` → `--max_length`; a bare boolean flag → `--flag=true`; `export CKPT` → `--checkpoint CKPT`."""
+    if len(argv) > 1 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
+        argv = [argv[0], POSITIONAL[argv[0]], *argv[1:]]
     out = []
     for i, arg in enumerate(argv):
         if arg.startswith("--") and not arg.startswith("---"):

@@ -15,7 +15,6 @@ Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -26,6 +25,7 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
 from draftsmith.train.losses import feature_regression, soft_cross_entropy, step_weights, topk_distillation, uniform_noise
 from draftsmith.train.metrics import DraftAcceptance
+from draftsmith.train.optim import adamw_warmup_cosine
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 
@@ -131,6 +131,8 @@ class DrafterModule(pl.LightningModule):
         """EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data."""
         from draftsmith.models.eagle3 import draft_vocab
 
+        if getattr(self, "forced_draft_ids", None) is not None:  # rebuilt from a checkpoint or an export
+            return self.forced_draft_ids
         vd = self.hparams.draft_vocab_size or target.vocab_size
         if vd >= target.vocab_size:
             return torch.arange(target.vocab_size)
@@ -273,17 +275,6 @@ class DrafterModule(pl.LightningModule):
         self.val_metric.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, betas=tuple(self.hparams.betas),
-                                weight_decay=self.hparams.weight_decay)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def schedule(step: int) -> float:
-            if step < warm:
-                return (step + 1) / warm
-            progress = min(1.0, (step - warm) / max(1, total - warm))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-                                                   "interval": "step"}}
+        h = self.hparams
+        return adamw_warmup_cosine(self.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
+                                   h.min_lr_ratio, h.weight_decay, betas=self.hparams.betas)

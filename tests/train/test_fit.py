@@ -147,3 +147,26 @@ def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
         cli.model.drafter.fc.weight.fill_(float("nan"))
     with pytest.raises(DraftsmithError, match="non-finite loss at step 0"):
         cli.trainer.fit(cli.model, cli.datamodule)
+
+
+def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_path):
+    from draftsmith.cli import lightning_cli
+
+    cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[1, 2])),
+                         "--trainer.max_steps", "2", "--data", "draftsmith.data.modules.ChatDataModule",
+                         "--data.init_args.data", str(tiny_features / "chats.json"),
+                         "--data.init_args.max_length", "256", "--data.init_args.max_tokens", "300"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    model = cli.model
+    assert model._target is not None and cli.datamodule.online
+    assert not any(k.startswith("_target") for k in model.state_dict())
+    target_params = {id(p) for p in model._target.model.parameters()}
+    optimized = {id(p) for g in cli.trainer.optimizers[0].param_groups for p in g["params"]}
+    assert not target_params & optimized
+    # the features it computes online are the ones extraction stored
+    from draftsmith.data.features import FeatureReader
+    item = FeatureReader(tiny_features / "features", layer_ids=[1, 2])[0]
+    batch = {"input_ids": item["input_ids"][None], "attention_mask": torch.ones(1, len(item["input_ids"]), dtype=torch.bool)}
+    final, aux = model._features(batch)
+    torch.testing.assert_close(final[0], item["final"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux[0], item["aux"], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,124 @@
+"""LightningModule for standalone draft LMs distilled from the target (forward KL).
+
+Position t of the student predicts x_{t+1}, as the target's p_t = softmax(head(f_t)) does;
+loss where x_{t+1} is an assistant token. Offline, p comes from the stored final features
+and the target's head; online, from the target run inside the step.
+
+Notation: B batch, T sequence, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import frozen_linear
+from draftsmith.train.losses import forward_kl
+from draftsmith.train.metrics import DraftAcceptance
+from draftsmith.train.optim import adamw_warmup_cosine
+
+
+class DistillModule(pl.LightningModule):
+    """Distil a small causal LM from `target`.
+
+    Args:
+        target: the target model (as for `draftsmith extract --target`).
+        num_layers: decoder layers of the draft LM (copied from the target's first layers).
+        shape: a smaller configured shape (hidden_size, intermediate_size, heads...); layers start random.
+        lora_rank: train LoRA adapters of this rank instead of all weights (None = full training).
+        kl_top_k: restrict the target distribution to its top-K (None = full vocabulary).
+        chain_length: K of the greedy chain whose simulated acceptance τ̂ is logged.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps, then cosine decay to min_lr_ratio * lr.
+        min_lr_ratio: final learning rate as a fraction of lr.
+        target_dtype: dtype the target is loaded in.
+    """
+
+    def __init__(self, target: str, num_layers: int = 4, shape: dict[str, int] | None = None,
+                 lora_rank: int | None = None, kl_top_k: int | None = None, chain_length: int = 4,
+                 lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
+                 target_dtype: str = "float32"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.student = None
+        self.val_metric = DraftAcceptance(1)
+        self._target = None
+
+    def configure_model(self) -> None:
+        if self.student is not None:
+            return
+        from draftsmith.models.standalone import add_lora, build_standalone
+        from draftsmith.models.target import load_target
+
+        target = load_target(self.hparams.target, dtype=self.hparams.target_dtype)
+        self.identity = target.identity.as_dict()
+        self.aux_layer_ids: list[int] = []
+        self.target_head = frozen_linear(target.lm_head.weight.detach())
+        student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape)
+        self.student = add_lora(student, self.hparams.lora_rank) if self.hparams.lora_rank else student
+        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
+        if dm is not None and getattr(dm, "online", False):
+            self._target = target
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "check_compatible"):
+            dm.check_compatible(self.identity, [])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"].pop("target_head.weight", None)
+        checkpoint["draftsmith"] = {"target_identity": self.identity, "kind": "standalone"}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()
+        checkpoint["state_dict"]["target_head.weight"] = self.target_head.weight
+
+    def _target_logits(self, batch: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            if "final" in batch:
+                final = batch["final"].to(self.target_head.weight.dtype)
+            elif self._target is not None:
+                final, _ = self._target.features(batch["input_ids"], batch["attention_mask"].long())
+            else:
+                raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
+            return self.target_head(final.to(self.target_head.weight.dtype))  # (B, T, V)
+
+    def _step(self, batch: dict[str, Any], with_metrics: bool) -> torch.Tensor:
+        valid = batch["attention_mask"].bool()
+        sel = valid[:, :-1] & batch["loss_mask"].bool()[:, 1:] & valid[:, 1:]  # x_{t+1} is an assistant token
+        logits = self.student(input_ids=batch["input_ids"], attention_mask=valid.long()).logits[:, :-1][sel]  # (N, V)
+        target = self._target_logits(batch)[:, :-1][sel]
+        loss = forward_kl(logits, target, sel.new_ones(len(logits)), self.hparams.kl_top_k)
+        if with_metrics and len(logits):
+            p, q = torch.softmax(target.float(), -1), torch.softmax(logits.float(), -1)
+            self.val_metric.update(0, logits.topk(self.val_metric.top_k, -1).indices, target.argmax(-1),
+                                   torch.minimum(p, q).sum(-1))
+        return loss
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self._step(batch, with_metrics=False)
+        if not torch.isfinite(loss):
+            raise DraftsmithError(f"non-finite loss at step {self.global_step}: {float(loss)}; lower the learning rate")
+        self.log("train/kl", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.log("val/kl", self._step(batch, with_metrics=True), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        m = self.val_metric.compute()
+        acc = float(m["acc_0"])
+        k = self.hparams.chain_length
+        self.log("val/acc", acc)
+        self.log("val/tau", 1 + sum(acc**i for i in range(1, k + 1)), prog_bar=True)  # i.i.d. chain of K
+        self.val_metric.reset()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        return adamw_warmup_cosine(self.student.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
+                                   h.min_lr_ratio, h.weight_decay)
