@@ -6,7 +6,7 @@ scores both on the same validation chats with the same yardstick: the simulated
 acceptance length τ̂ of a greedy chain of `--chain` drafted tokens, where every drafted
 token after the first is made from the drafter's own features (as at decoding time).
 
-    python benchmarks/hass_vs_eagle.py [--steps 160] [--chain 3]
+    python benchmarks/hass_vs_eagle.py [--steps 240] [--chain 3]
 
 Ends with `RESULT tau_eagle=... tau_hass=... ratio=<HASS/EAGLE>`; the target is ratio >= 1.05.
 """
@@ -42,7 +42,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path) -> dict[str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--chain", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench-hass-vs-eagle"))
     args = ap.parse_args()

@@ -51,6 +51,10 @@ class EagleDrafter(nn.Module):
         return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
                           position_embeddings=self.rotary(x, position_ids))
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head multiplies: the predicted feature itself (it is already post-norm)."""
+        return hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) → (B, T, V) through the target's head."""
-        return self.lm_head(hidden)
+        return self.lm_head(self.head_input(hidden))

@@ -92,9 +92,13 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
         return self.layer(embeds, feature, attention_mask, position_ids, self.rotary(feature, position_ids), cache)
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head multiplies: the drafter's own final norm of its hidden state."""
+        return self.norm(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) → (B, T, Vd) over the draft vocabulary."""
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(self.head_input(hidden))
 
 
 def draft_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:

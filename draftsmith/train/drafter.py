@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
-from draftsmith.train.losses import feature_regression, soft_cross_entropy, step_weights, topk_distillation, uniform_noise
+from draftsmith.train.losses import feature_regression, head_distillation, step_weights, target_mix, uniform_noise
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
 
@@ -215,34 +215,33 @@ class DrafterModule(pl.LightningModule):
         t = ids.shape[1] - 1
         anchors = valid[:, :-1]  # (B, T)
         carries = batch["loss_mask"].bool() & valid  # (B, T+1): x_i is a real assistant token
-        row, table, top1 = self._target_table(final, carries, with_metrics)
+        row, table, top1 = self._target_table(final, carries, with_metrics)  # table: (M, V or Vd)
+        h = self.hparams
+        weight = self.drafter.lm_head.weight  # (V or Vd, H)
+        mass, mix = target_mix(table, weight, h.ce_weight, h.topk_weight, min(h.topk, table.shape[-1]))
         feature = self.drafter.project(final[:, :-1], aux[:, :-1] if aux is not None else None)
-        if self.training and self.hparams.kind == "eagle":
-            feature = uniform_noise(feature, self.hparams.feature_noise)
-        weights = step_weights(self.hparams.alignment_steps, self.hparams.step_weight_decay)
-        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, self.hparams.alignment_steps)
+        if self.training and h.kind == "eagle":
+            feature = uniform_noise(feature, h.feature_noise)
+        weights = step_weights(h.alignment_steps, h.step_weight_decay)
+        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, h.alignment_steps)
         total, parts = 0.0, {}
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)
             if not sel.any():
                 continue
-            rows = shift(row, j, t)[sel]  # (N,) table rows of the targets f_{t+1+j}
-            p, every = table[rows], sel.new_ones(len(rows))
-            logits = self.drafter.logits(hidden[sel])  # (N, V or Vd)
-            loss = 0.0
-            if self.hparams.kind == "eagle" and self.hparams.feature_weight:
-                parts[f"feature_{j}"] = feature_regression(hidden[sel], shift(final, j, t)[sel], every)
-                loss = loss + self.hparams.feature_weight * parts[f"feature_{j}"]
-            if self.hparams.ce_weight:
-                parts[f"ce_{j}"] = soft_cross_entropy(logits, p, every)
-                loss = loss + self.hparams.ce_weight * parts[f"ce_{j}"]
-            if self.hparams.topk_weight:
-                parts[f"topk_{j}"] = topk_distillation(logits, p, min(self.hparams.topk, p.shape[-1]), every)
-                loss = loss + self.hparams.topk_weight * parts[f"topk_{j}"]
+            rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)
+            every = sel.new_ones(len(rows))
+            x = self.drafter.head_input(picked)
+            parts[f"distill_{j}"] = head_distillation(x, weight, mass[rows], mix[rows], every)
+            loss = parts[f"distill_{j}"]
+            if h.kind == "eagle" and h.feature_weight:
+                parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
+                loss = loss + h.feature_weight * parts[f"feature_{j}"]
             total = total + weights[j] * loss
             if with_metrics:
                 with torch.no_grad():
-                    q = torch.softmax(logits.float(), -1)
+                    logits = (x @ weight.T).float()
+                    p, q = table[rows], torch.softmax(logits, -1)
                     draft_topk = self._target_space(logits.topk(self.val_metric.top_k, -1).indices)
                     self.val_metric.update(j, draft_topk, top1[rows], torch.minimum(p, q).sum(-1))
         if not torch.is_tensor(total):  # no position carried loss in this batch

@@ -21,16 +21,49 @@ def feature_regression(pred: torch.Tensor, target: torch.Tensor, mask: torch.Ten
 
 
 def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """-Σ_v p(v) log q(v), q = softmax(logits): EAGLE's classification loss."""
-    per_position = -(p.float() * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B, T)
+    """-Σ_v p(v) log q(v), q = softmax(logits): EAGLE's classification loss.
+
+    Computed as logsumexp(z)·Σp − Σ p·z, which never materializes log q over the vocabulary.
+    """
+    z = logits.float()
+    per_position = torch.logsumexp(z, -1) * p.sum(-1) - (p * z).sum(-1)  # (B, T)
     return _masked_mean(per_position, mask)
 
 
 def topk_distillation(logits: torch.Tensor, p: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Tensor:
-    """HASS Top-K loss: -Σ_{x ∈ top-K of p} p(x) log q(x) (HASS eq. 5)."""
+    """HASS Top-K loss: -Σ_{x ∈ top-K of p} p(x) log q(x) (HASS eq. 5), as lse(z)·Σ_K p − Σ_K p·z."""
+    z = logits.float()
     top_p, top_idx = p.float().topk(k, dim=-1)  # (B, T, K)
-    log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, top_idx)
-    return _masked_mean(-(top_p * log_q).sum(-1), mask)
+    per_position = torch.logsumexp(z, -1) * top_p.sum(-1) - (top_p * z.gather(-1, top_idx)).sum(-1)
+    return _masked_mean(per_position, mask)
+
+
+def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_weight: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target side of `head_distillation` for ce_weight·soft CE + topk_weight·Top-K.
+
+    p (M, V) target distributions, weight (V, H) the drafter's head. Returns mass (M,) =
+    Σ_j w_j Σ_{v∈S_j} p(v) and mix (M, H) = Σ_j w_j Σ_{v∈S_j} p(v) W_v, with S = every token
+    for the soft CE and S = the top-K of p for the Top-K loss.
+    """
+    mass = ce_weight * p.sum(-1)
+    mix = ce_weight * (p.to(weight.dtype) @ weight) if ce_weight else 0.0
+    if topk_weight:
+        top_p, top_idx = p.topk(k, dim=-1)  # (M, K)
+        mass = mass + topk_weight * top_p.sum(-1)
+        mix = mix + topk_weight * torch.einsum("mk,mkh->mh", top_p.to(weight.dtype), weight[top_idx])
+    return mass, mix
+
+
+def head_distillation(x: torch.Tensor, weight: torch.Tensor, mass: torch.Tensor, mix: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """Weighted −Σ p(v) log q(v) terms for q = softmax(x Wᵀ), without forming log q.
+
+    With z = x Wᵀ and −log q(v) = logsumexp(z) − x·W_v, any weighted sum of such terms is
+    logsumexp(z)·mass − x·mix (`target_mix` builds mass and mix). Equal to soft_cross_entropy /
+    topk_distillation of the logits (a test checks), at the cost of one logsumexp over V.
+    """
+    z = (x @ weight.T).float()  # (N, V)
+    return _masked_mean(torch.logsumexp(z, -1) * mass - (x.float() * mix.float()).sum(-1), mask)
 
 
 def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, top_k: int | None = None) -> torch.Tensor:

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from draftsmith.train.losses import (feature_regression, forward_kl, soft_cross_entropy, step_weights,
+from draftsmith.train.losses import (feature_regression, head_distillation, target_mix, forward_kl, soft_cross_entropy, step_weights,
                                      topk_distillation, uniform_noise)
 
 # one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
@@ -53,3 +53,16 @@ def test_noise_and_step_weights():
     assert noisy.abs().max() <= 0.1 and noisy.std() > 0.04
     assert torch.equal(uniform_noise(x, 0.0), x)
     assert step_weights(3, 0.5) == [1.0, 0.5, 0.25]
+
+
+def test_factored_head_loss_equals_the_plain_definitions():
+    x, weight = torch.randn(6, 8, dtype=torch.float64), torch.randn(30, 8, dtype=torch.float64)
+    p = torch.softmax(torch.randn(6, 30, dtype=torch.float64), -1)
+    mask = torch.tensor([True, True, False, True, True, True])
+    logits = x @ weight.T
+    for ce_w, topk_w in ((0.1, 1.0), (1.0, 0.0), (0.0, 1.0)):
+        mass, mix = target_mix(p, weight, ce_w, topk_w, 5)
+        expected = ce_w * soft_cross_entropy(logits, p, mask) + topk_w * topk_distillation(logits, p, 5, mask)
+        torch.testing.assert_close(head_distillation(x, weight, mass, mix, mask).double(), expected.double())
+    reference = -(p * torch.log_softmax(logits, -1)).sum(-1)[mask].mean()
+    torch.testing.assert_close(soft_cross_entropy(logits, p, mask).double(), reference)
