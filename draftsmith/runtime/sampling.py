@@ -1,0 +1,65 @@
+"""Logits → distributions. Both sides of speculative decoding go through this one function.
+
+`distributions` returns the raw distribution softmax(logits) (deferral rules read it) and
+the scaled one (temperature, then top-k, then top-p) that tokens are sampled from. The same
+config applied to the drafter's and the target's logits keeps decoding lossless: the q in an
+acceptance ratio is exactly the distribution its token was sampled from.
+
+Notation: V vocab; leading dimensions are arbitrary (..., V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith import DraftsmithError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 means greedy: the scaled distribution is one-hot on the argmax."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise DraftsmithError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise DraftsmithError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise DraftsmithError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distributions(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, scaled) probabilities, each (..., V), in float32."""
+    logits = logits.float()
+    raw = torch.softmax(logits, dim=-1)
+    if cfg.greedy:
+        return raw, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    scaled = logits / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+        kth = scaled.topk(cfg.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if cfg.top_p is not None and cfg.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        keep_sorted = before < cfg.top_p  # the smallest prefix reaching top_p (the first token always)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return raw, probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of (..., V) probabilities, (...,) long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -1,0 +1,149 @@
+"""METRICS.md proofs 2, 4, 5 and 9 for the verification routine, on a 6-token vocabulary."""
+
+import pytest
+import torch
+
+from draftsmith.runtime import targets
+from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.verify import verify_chain, verify_greedy
+
+V, N = 6, 30000
+CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
+    expected = law * counts.sum()
+    seen = expected > 0
+    assert counts[~seen].sum() == 0, "a token of zero probability was produced"
+    return float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
+
+
+def tv_bound(law: torch.Tensor, n: int) -> float:
+    """Five standard deviations of the empirical total variation."""
+    return 5 * 0.5 * float((law * (1 - law) / n).sqrt().sum())
+
+
+def law_of(draw, n=N) -> torch.Tensor:
+    counts = torch.zeros(V)
+    for _ in range(n):
+        counts[draw()] += 1
+    return counts
+
+
+def random_law(g, zero=None):
+    law = torch.rand(V, generator=g) ** 2
+    if zero is not None:
+        law[zero] = 0
+    return law / law.sum()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_single_step_output_follows_p_including_the_bonus(seed):
+    g = torch.Generator().manual_seed(seed)
+    p1, p2, q = random_law(g, zero=2), random_law(g), random_law(g)
+    firsts, bonus, accepted = torch.zeros(V), torch.zeros(V), 0
+    for _ in range(N):
+        x = sample(q, g).reshape(1)
+        n, token = verify_chain(x, q[None], torch.stack([p1, p2]), g)
+        first = int(x) if n == 1 else token
+        firsts[first] += 1
+        if n == 1:
+            bonus[token] += 1
+            accepted += 1
+    assert chi2(firsts, p1) < CHI2_DF5_P001
+    assert float((firsts / N - p1).abs().sum() / 2) < tv_bound(p1, N)
+    assert chi2(bonus, p2) < CHI2_DF5_P001
+    expected_rate = float(torch.minimum(p1, q).sum())  # acceptance probability Σ min(p, q)
+    assert abs(accepted / N - expected_rate) < 5 * (expected_rate * (1 - expected_rate) / N) ** 0.5
+
+
+def test_deterministic_draft_is_one_hot_q():
+    g = torch.Generator().manual_seed(3)
+    p = random_law(g)
+    draft = torch.tensor([4])
+    one_hot = torch.nn.functional.one_hot(draft, V).float()
+    counts = law_of(lambda: (lambda n, t: 4 if n else t)(*verify_chain(draft, one_hot, torch.stack([p, p]), g)))
+    assert chi2(counts, p) < CHI2_DF5_P001
+
+
+def test_the_q_contract_matters():
+    """Verifying with a q other than the one the token came from breaks losslessness."""
+    g = torch.Generator().manual_seed(4)
+    p, q_true, q_claimed = random_law(g), random_law(g), torch.full((V,), 1 / V)
+    counts = torch.zeros(V)
+    for _ in range(N):
+        x = sample(q_true, g).reshape(1)
+        n, t = verify_chain(x, q_claimed[None], torch.stack([p, p]), g)
+        counts[int(x) if n else t] += 1
+    assert chi2(counts, p) > 3 * CHI2_DF5_P001
+
+
+def test_edge_cases():
+    g = torch.Generator().manual_seed(5)
+    p = random_law(g, zero=1)
+    draft = sample(p.expand(4, V), g)
+    n, _ = verify_chain(draft, p.expand(4, V), p.expand(5, V), g)
+    assert n == 4  # p == q always accepts
+    n, t = verify_chain(torch.tensor([1]), torch.full((1, V), 1 / V), torch.stack([p, p]), g)
+    assert n == 0 and t != 1  # p(x) = 0 is never accepted, nor resampled
+    n, t = verify_chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, V), p[None], g)
+    assert n == 0 and p[t] > 0  # K = 0 samples from π directly
+    # zero residual mass (π == q up to rounding) yields a token, not NaN
+    q = p.clone()
+    pi = torch.stack([p * (1 + 1e-7), p])
+    n, t = verify_chain(torch.tensor([0]), q[None], pi / pi.sum(-1, keepdim=True), g)
+    assert 0 <= t < V
+    # fresh randomness every call
+    outs = {verify_chain(torch.tensor([0]), torch.full((1, V), 1 / V), torch.stack([p, p]), g)[1] for _ in range(50)}
+    assert len(outs) > 1
+
+
+def test_greedy_path():
+    assert verify_greedy(torch.tensor([3, 1, 2]), torch.tensor([3, 1, 5, 0])) == (2, 5)
+    assert verify_greedy(torch.tensor([3, 1]), torch.tensor([3, 1, 4])) == (2, 4)
+    assert verify_greedy(torch.tensor([2]), torch.tensor([3, 1])) == (0, 3)
+    assert verify_greedy(torch.zeros(0, dtype=torch.long), torch.tensor([3])) == (0, 3)
+
+
+def test_sampling_transforms():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    raw, greedy = distributions(logits, SamplingConfig())
+    assert torch.allclose(raw, torch.softmax(logits, -1)) and greedy.tolist() == [1, 0, 0, 0, 0, 0]
+    _, hot = distributions(logits, SamplingConfig(temperature=0.5))
+    assert torch.allclose(hot, torch.softmax(logits / 0.5, -1))
+    _, topk = distributions(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert (topk[2:] == 0).all() and torch.allclose(topk[:2], torch.softmax(logits[:2], -1))
+    _, nucleus = distributions(logits, SamplingConfig(temperature=1.0, top_p=0.7))
+    full = torch.softmax(logits, -1)  # 0.55, 0.20, ... : the smallest prefix reaching 0.7 is 2 tokens... or 3
+    keep = (full.cumsum(0) - full) < 0.7
+    assert torch.allclose(nucleus, full * keep / (full * keep).sum())
+
+
+@pytest.mark.parametrize("rule", ["chow", "diff", "opt"])
+def test_cascade_mixtures(rule):
+    g = torch.Generator().manual_seed(7)
+    p, q = random_law(g), random_law(g)
+    defer = getattr(targets, rule)(q, p, 0.1)
+    pi = targets.mixture(q, p, defer)
+    assert torch.allclose(pi.sum(-1), torch.tensor(1.0))
+    r = 0.3
+    pi = targets.mixture(q, p, r)
+    rejection = float((q - torch.minimum(pi, q)).sum())  # Σ max(0, q − π)
+    assert abs(rejection - r * float(targets.total_variation(p, q))) < 1e-6
+    assert torch.allclose(targets.mixture(q, p, 1.0), p)  # always defer: exact decoding
+    x = sample(q, g).reshape(1)
+    assert verify_chain(x, q[None], torch.stack([targets.mixture(q, p, 0.0), p]), g)[0] == 1  # never defer
+
+
+def test_mixture_samples_follow_pi_and_token_specific_sums_to_one():
+    g = torch.Generator().manual_seed(8)
+    p, q = random_law(g), random_law(g)
+    pi = targets.mixture(q, p, 0.4)
+    counts = torch.zeros(V)
+    for _ in range(N):
+        x = sample(q, g).reshape(1)
+        n, t = verify_chain(x, q[None], torch.stack([pi, pi]), g)
+        counts[int(x) if n else t] += 1
+    assert chi2(counts, pi) < CHI2_DF5_P001
+    keep = targets.token_keep(q, p, 0.1)
+    assert torch.allclose(targets.token_specific(q, p, keep).sum(-1), torch.tensor(1.0))
