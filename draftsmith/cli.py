@@ -120,7 +120,54 @@ def export(checkpoint: str, format: str = "native", out: str = "export", specula
                     f"{result['max_logit_error']:.1e})")
 
 
-COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export}
+def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
+         turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
+         top_k: int | None = None, top_p: float | None = None, policy: str = "static", k: int = 4,
+         threshold: float = 0.4, dtype: str = "bfloat16", device: str = "cpu", repeats: int = 3, seed: int = 0,
+         out: str = "runs/eval") -> None:
+    """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
+
+    Writes OUT/results.json and PNG plots, and prints a table per category.
+
+    Args:
+        target: the target model.
+        drafter: a native export directory (`draftsmith export --format native`); omit for autoregressive only.
+        prompts: mtbench, humaneval, or heldout (the validation split of --data).
+        limit: number of prompts (spread over categories).
+        turns: first, or both (MT-bench's second turn after the target's own first answer).
+        data: the chat source for heldout prompts.
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 for greedy; otherwise sampling with top_k / top_p.
+        top_k: top-k filtering (applied to target and drafter alike).
+        top_p: nucleus filtering (applied to target and drafter alike).
+        policy: draft length: static, heuristic, confidence or oracle.
+        k: draft length (static), starting length (heuristic) or maximum (confidence, oracle).
+        threshold: the confidence policy's threshold.
+        dtype: target and drafter dtype (the same for both arms).
+        device: cpu or cuda.
+        repeats: timed repeats after a warm-up (median reported).
+        seed: sampling seed.
+        out: the results directory.
+    """
+    from rich.console import Console
+
+    from draftsmith.eval.evaluate import EvalConfig, evaluate
+    from draftsmith.eval.report import plots, table, write_results
+
+    cfg = EvalConfig(target=target, drafter=drafter, prompts=prompts, limit=limit, turns=turns, data=data,
+                     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, policy=policy,
+                     k=k, threshold=threshold, dtype=dtype, device=device, repeats=repeats, seed=seed, out=out)
+    results = evaluate(cfg)
+    from pathlib import Path
+
+    path = write_results(results, Path(out))
+    pngs = plots(results, Path(out))
+    console = Console()
+    console.print(table(results))
+    console.print(f"results: {path}" + (f"\nplots: {', '.join(pngs)}" if pngs else ""))
+
+
+COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export, "eval": evaluate_command}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 

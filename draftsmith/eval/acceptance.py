@@ -1,0 +1,98 @@
+"""Acceptance and speed, measured the way METRICS.md defines them, by driving the runtime.
+
+τ = tokens committed per target forward, averaged over rounds = accepted + 1 (the bonus or
+corrected token counted); "mean accepted" leaves that token out. α_j = rounds in which draft
+position j was accepted / rounds that reached position j. Speed: batch 1, the same target,
+dtype, prompts and max_new_tokens for both arms; a warm-up, then repeats with the arms
+alternating; medians. Speedup = method tok/s / autoregressive tok/s from the same process.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import torch
+
+from draftsmith.runtime.generate import GenerationResult, TargetRunner, generate
+from draftsmith.runtime.proposers import NoProposer
+from draftsmith.runtime.sampling import SamplingConfig
+
+
+def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
+    rounds = [r for res in results for r in res.rounds]
+    if not rounds:
+        return {"rounds": 0, "tau": 1.0, "mean_accepted": 0.0, "alpha": [], "histogram": {}}
+    depth = max(r.drafted for r in rounds)
+    reached, accepted_at = [0] * depth, [0] * depth
+    for r in rounds:
+        for j in range(min(r.drafted, r.accepted + 1)):  # position j is judged when all before it passed
+            reached[j] += 1
+            accepted_at[j] += j < r.accepted
+    tokens = sum(len(res.tokens) for res in results)
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    return {
+        "rounds": len(rounds),
+        "tau": statistics.fmean(r.accepted + 1 for r in rounds),
+        "mean_accepted": statistics.fmean(r.accepted for r in rounds),
+        "alpha": [a / n if n else None for a, n in zip(accepted_at, reached)],
+        "histogram": {str(k): v for k, v in sorted(Counter(r.accepted for r in rounds).items())},
+        "tokens": tokens,
+        "target_forwards_per_token": sum(res.target_forwards for res in results) / max(tokens, 1),
+        "drafted": drafted,
+        "drafted_rejected": drafted - accepted,
+        "drafter_forwards": sum(r.drafter_forwards for r in rounds),
+    }
+
+
+def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], max_new_tokens: int,
+               make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...],
+               seed: int, on_prompt: Callable[[], None] | None = None) -> list[GenerationResult]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ids in prompts:
+        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(), sampling, eos_token_ids=eos, generator=g))
+        if on_prompt:
+            on_prompt()
+    return out
+
+
+def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
+            make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
+            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None) -> dict[str, Any]:
+    """Both arms over the same prompts, alternating, `repeats` times after a warm-up."""
+    baseline = NoProposer(runner.head.weight.shape[0])
+    arms = {"autoregressive": baseline, "method": proposer}
+    for arm in arms.values():  # warm-up: first calls allocate and compile
+        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed)
+    runs: dict[str, list[list[GenerationResult]]] = {"autoregressive": [], "method": []}
+    for r in range(repeats):
+        for name, arm in arms.items():
+            tick = progress(f"{name} {r + 1}/{repeats}") if progress else None
+            runs[name].append(decode_all(runner, arm, prompts, max_new_tokens, make_policy, sampling, eos, seed + r, tick))
+    speed = {}
+    for name, reps in runs.items():
+        rates = [sum(len(x.tokens) for x in rep) / sum(x.seconds for x in rep) for rep in reps]
+        speed[name] = {"tokens_per_second": statistics.median(rates), "spread": [min(rates), max(rates)]}
+    per_category: dict[str, dict[str, Any]] = defaultdict(dict)
+    for cat in sorted(set(categories)):
+        idx = [i for i, c in enumerate(categories) if c == cat]
+        rate = {name: statistics.median(sum(len(rep[i].tokens) for i in idx) / sum(rep[i].seconds for i in idx)
+                                        for rep in reps) for name, reps in runs.items()}
+        stats = acceptance_stats([rep[i] for rep in runs["method"] for i in idx])
+        per_category[cat] = {"tau": stats["tau"], "mean_accepted": stats["mean_accepted"],
+                             "tokens_per_second": rate["method"], "autoregressive_tokens_per_second": rate["autoregressive"],
+                             "speedup": rate["method"] / rate["autoregressive"], "prompts": len(idx)}
+    method_results = [x for rep in runs["method"] for x in rep]
+    return {
+        "acceptance": acceptance_stats(method_results),
+        "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
+                  "repeats": repeats},
+        "per_category": dict(per_category),
+        "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
+                                 for a, b in zip(ra, rb)),
+        "samples": [{"category": c, "tokens": x.tokens} for c, x in zip(categories, runs["method"][0][:3])],
+    }
+

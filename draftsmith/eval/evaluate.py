@@ -1,0 +1,115 @@
+"""`draftsmith eval`: a drafter against its target on a prompt set, through the shared runtime."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith import DraftsmithError
+
+
+@dataclass
+class EvalConfig:
+    target: str
+    drafter: str | None = None  # a native export directory; None: autoregressive only
+    prompts: str = "mtbench"
+    limit: int | None = None
+    turns: str = "first"
+    data: str = "sharegpt"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    policy: str = "static"
+    k: int = 4
+    threshold: float = 0.4
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    repeats: int = 3
+    seed: int = 0
+    out: str = "runs/eval"
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise DraftsmithError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.turns not in ("first", "both"):
+            raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
+
+
+def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
+    """(proposer, description) for a native export directory, or plain decoding for None."""
+    from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
+
+    if drafter in (None, "none"):
+        return NoProposer(target.vocab_size), "autoregressive"
+    path = Path(drafter)
+    if (path / "draftsmith.json").is_file():  # a standalone draft LM
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
+        return ModelProposer(model, target.vocab_size), f"standalone ({path.name})"
+    if not (path / "config.json").is_file():
+        raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
+    from draftsmith.export import load_native
+
+    config = json.loads((path / "config.json").read_text())
+    drafter_module = load_native(path, target).to(device=target.device, dtype=target.dtype)  # int buffers stay int
+    return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
+
+
+def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from draftsmith.eval.acceptance import measure
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.target import load_target
+    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import make_policy
+    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.sampling import SamplingConfig
+
+    console = console or Console(stderr=True)
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    proposer, description = load_proposer(cfg.drafter, target)
+    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    tok = target.tokenizer
+    config_eos = getattr(target.config, "eos_token_id", None)
+    eos = tuple(sorted(i for i in {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
+                       if i is not None))
+    policy_args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
+                   "oracle": {"max_k": cfg.k}}[cfg.policy]
+    new_policy = lambda: make_policy(cfg.policy, **policy_args)  # noqa: E731
+    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data)
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+    conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
+    if cfg.turns == "both":  # the second turn follows the target's own (greedy) first answer
+        for conv, p in zip(conversations, prompts):
+            if len(p["turns"]) > 1:
+                first = generate(runner, NoProposer(target.vocab_size), encode(conv), cfg.max_new_tokens,
+                                 new_policy(), SamplingConfig(), eos_token_ids=eos)
+                conv += [{"role": "assistant", "content": tok.decode(first.tokens, skip_special_tokens=True)},
+                         {"role": "user", "content": p["turns"][1]}]
+    ids = [encode(c) for c in conversations]
+    categories = [p["category"] for p in prompts]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2)
+
+        def tick_factory(label: str):
+            progress.update(task, description=label)
+            return lambda: progress.advance(task)
+
+        results = measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
+                          cfg.repeats, cfg.seed, tick_factory)
+    for sample in results["samples"]:
+        sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
+    results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
+                         "num_prompts": len(ids), "target_identity": target.identity.as_dict()}
+    return results

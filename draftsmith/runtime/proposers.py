@@ -1,0 +1,168 @@
+"""Who drafts: a feature drafter, a standalone draft LM, or nobody (autoregressive decoding).
+
+Every proposer returns the drafted tokens with the distributions they were drawn from, in the
+target's vocabulary: q_scaled (the sampling law, one-hot when greedy) for the acceptance
+ratio and q_raw (softmax of the logits) for deferral rules and policies.
+
+Notation: K drafted tokens, V target vocab, H hidden, n newly committed anchors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftsmith.models.common import KVBuffer
+from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+
+Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
+
+
+def _empty(v: int) -> Draft:
+    return [], torch.zeros(0, v), torch.zeros(0, v)
+
+
+class NoProposer:
+    """Plain autoregressive decoding: nothing is drafted."""
+
+    needs_features = False
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.forwards = 0
+
+    def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        return _empty(self.vocab_size)
+
+
+class FeatureProposer:
+    """EAGLE / HASS / EAGLE-3 drafters, fed the target hidden states verification produced.
+
+    The drafter's KV buffer holds one entry per real anchor t (made from target features);
+    drafted steps append speculative entries that `observe` crops away before feeding the
+    anchors the last verification confirmed.
+    """
+
+    needs_features = True
+
+    def __init__(self, drafter: Any, vocab_size: int, aux_layer_ids: list[int] | None = None):
+        self.drafter = drafter.eval()
+        self.vocab_size = vocab_size
+        self.aux_layer_ids = list(aux_layer_ids or [])
+        self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.anchors, self.hidden, self.forwards = KVBuffer(), 0, None, 0
+
+    @torch.no_grad()
+    def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Feed n real anchors: tokens x_{t+1} (n,), their target features (n, H) and (n, k*Ht)."""
+        self.cache.crop(self.anchors)
+        n = len(next_tokens)
+        dtype = self.drafter.fc.weight.dtype
+        feature = self.drafter.project(final[None].to(dtype), aux[None].to(dtype) if aux is not None else None)
+        positions = torch.arange(self.anchors, self.anchors + n, device=final.device)[None]
+        mask = torch.ones(n, self.anchors + n, dtype=torch.bool, device=final.device)
+        mask[:, self.anchors:] = torch.ones(n, n, dtype=torch.bool, device=final.device).tril()
+        tokens = torch.tensor([next_tokens], device=final.device)
+        out = self.drafter(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
+        self.anchors += n
+        self.hidden = out[:, -1:]
+        self.forwards += 1
+
+    def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.to_target is None:
+            return probs
+        full = torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device)
+        return full.index_copy(0, self.to_target, probs)
+
+    @torch.no_grad()
+    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        tokens, scaled, raw = [], [], []
+        hidden, q_raw = self.hidden, None
+        while len(tokens) < max_k and policy.keep_going(len(tokens), q_raw, hidden):
+            logits = self.drafter.logits(hidden)[0, 0]  # (V or Vd)
+            r, s = distributions(logits, sampling)
+            r, s = self._to_target(r), self._to_target(s)
+            x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
+            tokens.append(x)
+            scaled.append(s)
+            raw.append(r)
+            q_raw = r
+            if len(tokens) < max_k:  # the next step reads (embed(x), own hidden) one position on
+                position = torch.tensor([[self.anchors - 1 + len(tokens)]], device=hidden.device)
+                keys = self.cache.get_seq_length() + 1
+                mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=hidden.device)
+                hidden = self.drafter(torch.tensor([[x]], device=hidden.device), hidden, position, mask, self.cache)
+                self.forwards += 1
+        if not tokens:
+            return _empty(self.vocab_size)
+        return tokens, torch.stack(scaled), torch.stack(raw)
+
+
+class ModelProposer:
+    """A standalone draft LM (any transformers causal LM on the target's tokenizer)."""
+
+    needs_features = False
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, model: Any, vocab_size: int):
+        self.model = model.eval()
+        self.vocab_size = vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached: list[int] = []  # committed tokens whose keys are in the cache
+        self.fed: list[int] = []  # drafted tokens fed after them last round
+        self.forwards = 0
+
+    def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        # keep the keys of last round's drafts that were accepted; drop the rest
+        start = len(self.cached)
+        keep = 0
+        while keep < len(self.fed) and start + keep < len(sequence) and sequence[start + keep] == self.fed[keep]:
+            keep += 1
+        extra = self.cache.get_seq_length() - start - keep
+        if extra > 0:
+            self.cache.crop(-extra)
+        self.cached, self.fed = list(sequence[: start + keep]), []
+        if max_k <= 0 or not policy.keep_going(0, None, None):
+            return _empty(self.vocab_size)
+        device = next(self.model.parameters()).device
+        feed = torch.tensor([sequence[len(self.cached):]], device=device)
+        logits = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True).logits[0, -1]
+        self.forwards += 1
+        self.cached = list(sequence)
+        tokens, scaled, raw = [], [], []
+        while True:
+            r, s = distributions(logits, sampling)
+            x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
+            tokens.append(x)
+            scaled.append(s)
+            raw.append(r)
+            if len(tokens) >= max_k or not policy.keep_going(len(tokens), r, None):
+                break
+            logits = self.model(input_ids=torch.tensor([[x]], device=device), past_key_values=self.cache,
+                                use_cache=True).logits[0, -1]
+            self.fed.append(x)
+            self.forwards += 1
+        return tokens, torch.stack(scaled), torch.stack(raw)

@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from draftsmith.eval.acceptance import acceptance_stats
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.runtime.generate import GenerationResult, RoundStats
+from tests.conftest import run_cli
+from tests.test_export import eagle3_ckpt, train  # noqa: F401  (fixtures)
+from tests.train.test_fit import tiny_features  # noqa: F401
+
+
+def test_prompt_sets():
+    mt = load_prompts("mtbench")
+    assert len(mt) == 80 and len({p["category"] for p in mt}) == 8
+    assert len(load_prompts("mtbench", turns="both")[0]["turns"]) == 2
+    few = load_prompts("mtbench", limit=16)
+    assert len(few) == 16 and len({p["category"] for p in few}) == 8  # spread over categories
+    assert len(load_prompts("humaneval")) == 164
+
+
+def test_acceptance_statistics_by_hand():
+    rounds = [RoundStats(3, 3, 4, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 1, 3, 0.1)]
+    stats = acceptance_stats([GenerationResult(tokens=[0] * 8, prompt_length=2, rounds=rounds)])
+    assert stats["tau"] == pytest.approx((4 + 2 + 1) / 3) and stats["mean_accepted"] == pytest.approx(4 / 3)
+    # position 0 reached 3 times, accepted twice; position 1 reached twice, accepted once; position 2 reached once
+    assert stats["alpha"] == [pytest.approx(2 / 3), 0.5, 1.0]
+    assert stats["histogram"] == {"0": 1, "1": 1, "3": 1} and stats["drafted_rejected"] == 5
+    assert stats["target_forwards_per_token"] == pytest.approx(4 / 8)
+
+
+def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
+    assert run_cli("export", str(eagle3_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
+    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                     "--limit", "4", "--max_new_tokens", "12", "--repeats", "2", "--dtype", "float32",
+                     "--k", "3", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["identical_outputs"] is True  # greedy, fp32: the drafter never changes the output
+    acc = results["acceptance"]
+    assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) == 3 and acc["tokens"] > 0
+    assert results["speed"]["repeats"] == 2 and results["speed"]["speedup"] > 0
+    assert set(results["per_category"]) and (tmp_path / "eval" / "alpha_by_position.png").is_file()
+    assert (tmp_path / "eval" / "by_category.png").is_file() and "speedup" in result.stdout

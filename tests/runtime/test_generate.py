@@ -1,0 +1,147 @@
+"""METRICS.md proofs 1, 3, 5, 6 and 8 for the decoding loop, on tiny random models in fp32."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.models.eagle import EagleDrafter
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.policies import Confidence, Heuristic, Oracle, Static
+from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
+from draftsmith.runtime.sampling import SamplingConfig, distributions
+from tests.conftest import make_llama
+
+V = 50
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_llama(V, seed=0, hidden=32, layers=2)
+
+
+def proposers(target):
+    torch.manual_seed(1)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    return {
+        "none": NoProposer(V),
+        "eagle": FeatureProposer(EagleDrafter(target.config, embed, head), V),
+        "eagle3": FeatureProposer(Eagle3Drafter(target.config, embed, head, None, torch.arange(0, V, 3), 3, 32), V, [0, 1, 2]),
+        "standalone": ModelProposer(make_llama(V, seed=2, hidden=16, layers=1), V),
+        "self": ModelProposer(target, V),
+    }
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "standalone", "self"])
+@pytest.mark.parametrize("policy", [lambda: Static(3), lambda: Heuristic(2), lambda: Confidence(0.05, 5)])
+def test_greedy_output_is_the_targets_own(target, kind, policy):
+    proposer = proposers(target)[kind]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    for seed in range(3):
+        prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=1, eos_token_id=None)[0, 7:].tolist()
+        out = generate(runner, proposer, prompt, 24, policy())
+        assert out.tokens == expected, kind
+        assert sum(r.committed for r in out.rounds) + 1 == 24
+
+
+def test_always_right_and_always_wrong_drafters(target):
+    prompt = [5, 9, 2, 7]
+    right = generate(TargetRunner(target), ModelProposer(target, V), prompt, 1 + 5 * 4, Static(4))
+    assert [r.accepted + 1 for r in right.rounds] == [5] * 4  # τ = K + 1
+
+    class Wrong(NoProposer):
+        def propose(self, sequence, policy, max_k, sampling, generator):
+            logits = target(torch.tensor([sequence])).logits[0, -1]
+            bad = (int(logits.argmax()) + 1) % V
+            q = torch.nn.functional.one_hot(torch.tensor([bad] * max_k, dtype=torch.long), V).float()
+            return [bad] * max_k, q, q
+
+    wrong = generate(TargetRunner(target), Wrong(V), prompt, 12, Static(3))
+    assert all(r.accepted == 0 and r.committed == 1 for r in wrong.rounds)  # τ = 1
+
+
+def test_eos_inside_a_draft_and_the_length_boundary(target):
+    prompt = [3, 1, 4, 1, 5]
+    plain = generate(TargetRunner(target), NoProposer(V), prompt, 30, Static(0)).tokens
+    eos = plain[10]
+    stop_at = plain.index(eos)
+    out = generate(TargetRunner(target), ModelProposer(target, V), prompt, 30, Static(4), eos_token_ids=(eos,))
+    assert out.tokens == plain[: stop_at + 1] and out.stop == "eos"
+    for n in (1, 2, 5, 6):
+        out = generate(TargetRunner(target), ModelProposer(target, V), prompt, n, Static(4))
+        assert out.tokens == plain[:n]
+
+
+def test_target_cache_rollback_equals_recomputation(target):
+    runner = TargetRunner(target)
+    prompt, draft = [4, 8, 15, 16], [23, 42, 7, 9]
+    for keep in range(len(draft) + 1):  # rejection at every position, then a full acceptance
+        runner.reset()
+        runner.forward(prompt[:-1])
+        runner.forward([prompt[-1]] + draft)
+        runner.rollback(len(draft) - keep)
+        logits, _, _ = runner.forward([11])
+        full = target(torch.tensor([prompt + draft[:keep] + [11]])).logits[0, -1]
+        torch.testing.assert_close(logits[-1], full, atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_cache_is_complete_after_a_round(target):
+    """After rounds of drafting and rollback, the drafter's state equals a fresh full recomputation."""
+    proposer = proposers(target)["eagle"]
+    runner = TargetRunner(target)
+    prompt = [2, 4, 6, 8, 10]
+    out = generate(runner, proposer, prompt, 15, Static(3))
+    seq = prompt + out.tokens
+    fresh = FeatureProposer(proposer.drafter, V)
+    _, final, _ = TargetRunner(target).forward.__func__(_fresh_runner(target), seq[:-1])
+    fresh.observe(seq[1:], final, None)
+    assert fresh.anchors == proposer.anchors
+    torch.testing.assert_close(fresh.hidden, proposer.hidden, atol=1e-5, rtol=1e-4)
+
+
+def _fresh_runner(target):
+    runner = TargetRunner(target)
+    runner.reset()
+    return runner
+
+
+def exact_law(model, prompt, length, cfg):
+    """P(sequence) for every sequence of `length` tokens under the model's scaled distribution."""
+    law = {}
+    for seq in itertools.product(range(model.config.vocab_size), repeat=length):
+        logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1:]
+        _, probs = distributions(logits, cfg)
+        law[seq] = float(torch.prod(torch.stack([probs[i, x] for i, x in enumerate(seq)])))
+    return law
+
+
+@pytest.mark.parametrize("cfg, k", [(SamplingConfig(temperature=1.0), 2),
+                                    (SamplingConfig(temperature=0.7, top_k=3), 3),
+                                    (SamplingConfig(temperature=1.3, top_p=0.8), 1)])
+def test_multi_step_sampling_is_lossless(cfg, k):
+    tv, length, n = 4, 3, 3000
+    target = make_llama(tv, seed=3, hidden=16, layers=1)
+    draft = make_llama(tv, seed=4, hidden=16, layers=1)
+    prompt = [1, 2]
+    law = exact_law(target, prompt, length, cfg)
+    g = torch.Generator().manual_seed(0)
+    runner, proposer = TargetRunner(target), ModelProposer(draft, tv)
+    counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(k), cfg, generator=g).tokens)
+                     for _ in range(n))
+    cells = [s for s in law if law[s] > 0]
+    assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
+    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
+    df = len(cells) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)  # ~ the 0.1% tail of chi-square(df)
+    tv_dist = 0.5 * sum(abs(counts.get(s, 0) / n - law[s]) for s in law)
+    assert tv_dist < 5 * 0.5 * sum((law[s] * (1 - law[s]) / n) ** 0.5 for s in law)
+
+
+def test_oracle_is_charged_up_to_the_first_rejection(target):
+    policy = Oracle(4)
+    out = generate(TargetRunner(target), proposers(target)["standalone"], [1, 2, 3], 20, policy)
+    assert policy.charged == [min(r.drafted, r.accepted + 1) for r in out.rounds]
