@@ -167,7 +167,37 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
     console.print(f"results: {path}" + (f"\nplots: {', '.join(pngs)}" if pngs else ""))
 
 
-COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export, "eval": evaluate_command}
+def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_tokens: int = 128,
+        temperature: float = 0.0, policy: str = "static", k: int = 4, dtype: str = "bfloat16", repeats: int = 3,
+        out: str | None = None) -> None:
+    """Run a recipe end to end: extract → fit → export → eval; each finished stage is skipped on a rerun.
+
+    Features are extracted when the recipe's feature directory has none (resuming a partial
+    extraction); training resumes from the run's last.ckpt and is skipped once max_steps is
+    reached; the best checkpoint (by val/tau) is exported in the native format and evaluated.
+
+    Args:
+        recipe: the recipe YAML (as for `draftsmith fit --config`).
+        prompts: mtbench, humaneval or heldout.
+        limit: prompts to evaluate on (spread over categories).
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 for greedy decoding.
+        policy: draft-length policy: static, heuristic, confidence or oracle.
+        k: draft length (or its maximum).
+        dtype: dtype of target and drafter during evaluation.
+        repeats: timed repeats after a warm-up.
+        out: where to write the export and the evaluation (default: the recipe's default_root_dir).
+    """
+    from rich.console import Console
+
+    from draftsmith.pipeline import run_recipe
+
+    run_recipe(recipe, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
+               policy=policy, k=k, dtype=dtype, repeats=repeats, out=out, console=Console())
+
+
+COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export, "eval": evaluate_command,
+            "run": run}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 
@@ -214,7 +244,7 @@ def _print_stats(stats: dict[str, Any]) -> None:
     Console().print(table)
 
 
-POSITIONAL = {"export": "--checkpoint"}  # `draftsmith export CKPT ...`
+POSITIONAL = {"export": "--checkpoint", "run": "--recipe"}  # `draftsmith export CKPT`, `draftsmith run RECIPE`
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

@@ -1,0 +1,81 @@
+"""`draftsmith run RECIPE`: extract → fit → export → eval, each stage skipped once done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from draftsmith import DraftsmithError
+
+
+def _newest(root: Path, pattern: str) -> Path | None:
+    found = sorted(root.glob(f"**/{pattern}"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,
+               k: int, dtype: str, repeats: int, out: str | None, console: Any) -> dict[str, Any]:
+    import torch
+    import yaml
+
+    from draftsmith.cli import lightning_cli
+    from draftsmith.eval.evaluate import EvalConfig, evaluate
+    from draftsmith.eval.report import plots, table, write_results
+    from draftsmith.export import export
+    from draftsmith.extract import ExtractConfig, extract, summary_table
+
+    path = Path(recipe)
+    if not path.is_file():
+        raise DraftsmithError(f"recipe {recipe} not found")
+    raw = yaml.safe_load(path.read_text())
+    model, data, trainer = raw["model"]["init_args"], raw["data"]["init_args"], raw["trainer"]
+    root = Path(out or trainer.get("default_root_dir") or f"runs/{path.stem}")
+
+    # 1. features (offline recipes)
+    if "features_dir" in data and not (Path(data["features_dir"]) / "manifest.json").is_file():
+        layer_ids = model.get("aux_layer_ids") or []
+        if model.get("kind") == "eagle3" and not layer_ids:
+            from draftsmith.models.target import load_target
+
+            layer_ids = load_target(model["target"]).default_aux_layer_ids()
+        console.rule("[bold]1/4 extract")
+        manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"),
+                                         out=data["features_dir"], layer_ids=layer_ids,
+                                         max_length=data.get("max_length", 2048), limit=data.get("limit")))
+        console.print(summary_table(manifest, data["features_dir"]))
+
+    # 2. training, resumed from last.ckpt, skipped when max_steps was reached
+    last = _newest(root, "last.ckpt")
+    done = last is not None and torch.load(last, map_location="cpu", weights_only=True).get("global_step", 0) >= trainer.get("max_steps", -1) > 0
+    if not done:
+        console.rule("[bold]2/4 fit")
+        args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])
+        cli = lightning_cli(args, run=False)
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(last) if last else None)
+    best = _newest(root, "best-*.ckpt") or _newest(root, "last.ckpt")
+    if best is None:
+        raise DraftsmithError(f"no checkpoint under {root} after training")
+
+    # 3. export
+    console.rule("[bold]3/4 export")
+    exported = export(str(best), "native", str(root / "export-native"))
+    console.print(f"exported {best} → {exported['out']}")
+
+    # 4. evaluation
+    console.rule("[bold]4/4 eval")
+    cfg = EvalConfig(target=model["target"], drafter=exported["out"], prompts=prompts, limit=limit,
+                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, dtype=dtype,
+                     repeats=repeats, out=str(root / "eval"))
+    results = evaluate(cfg, console)
+    results["checkpoint"] = str(best)
+    json_path = write_results(results, Path(cfg.out))
+    pngs = plots(results, Path(cfg.out))
+    console.print(table(results))
+    acc, speed = results["acceptance"], results["speed"]
+    console.print(f"[bold]τ = {acc['tau']:.2f}[/] (mean accepted {acc['mean_accepted']:.2f}), "
+                  f"[bold]speedup = {speed['speedup']:.2f}x[/] over autoregressive decoding "
+                  f"({speed['method']['tokens_per_second']:.1f} vs {speed['autoregressive']['tokens_per_second']:.1f} tok/s)")
+    console.print(f"results: {json_path}")
+    for png in pngs:
+        console.print(f"plot: {png}")
+    return results

@@ -1,0 +1,27 @@
+import json
+
+import yaml
+
+from tests.conftest import run_cli, sample_chats, save_tiny_target
+from tests.train.test_fit import recipe
+
+
+def test_run_goes_end_to_end_and_skips_finished_stages(tmp_path):
+    root = tmp_path / "tiny"
+    save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(40)))
+    path = recipe(root, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=40)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=256)  # features: not there yet
+    cfg["trainer"]["max_steps"] = 3
+    path.write_text(yaml.safe_dump(cfg))
+    args = ["run", str(path), "--limit", "2", "--max_new_tokens", "8", "--repeats", "1", "--dtype", "float32"]
+    first = run_cli(*args, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "1/4 extract" in first.stdout and "2/4 fit" in first.stdout and "speedup =" in first.stdout
+    assert (root / "features" / "manifest.json").is_file()
+    results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert results["config"]["drafter"].startswith("eagle3") and results["acceptance"]["rounds"] > 0
+    again = run_cli(*args, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "1/4 extract" not in again.stdout and "2/4 fit" not in again.stdout and "4/4 eval" in again.stdout
