@@ -14,7 +14,7 @@ STAMP := $(VENV)/.draftsmith-setup
 .PHONY: help setup demo test bench clean
 
 help:
-	@echo "make demo   set up .venv, then extract features from the embedded default target"
+	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
 	@echo "make test   set up .venv, then run the test suite"
 	@echo "make setup  create or update .venv only"
 
@@ -34,15 +34,17 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import draftsmith, torch; print("setup: ok (torch", torch.__version__ + ")")'
 	@touch $(STAMP)
 
+# The main job on the embedded default: extract → fit → export → eval, then the τ/speedup table.
 demo: setup
-	$(VENV)/bin/draftsmith extract --target embedded:smollm2-135m-instruct --data sharegpt \
-	  --limit 200 --max-length 512 --out runs/demo/features
+	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
+	  --max_new_tokens 128 --k 4
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	$(PY) benchmarks/extract_throughput.py
+	$(PY) benchmarks/hass_vs_eagle.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -152,7 +152,7 @@ class DrafterModule(pl.LightningModule):
     # --- checkpoints leave the frozen target parts out; they come back from the target ---------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith(FROZEN_PREFIXES) or k == "drafter.lm_head.weight" and self.hparams.kind == "eagle"]:
+        for key in [k for k in state if self._frozen_key(k)]:
             del state[key]
         checkpoint["draftsmith"] = {"target_identity": self.identity, "aux_layer_ids": self.aux_layer_ids,
                                     "kind": self.hparams.kind}
@@ -166,10 +166,13 @@ class DrafterModule(pl.LightningModule):
             if diffs:
                 raise DraftsmithError(f"checkpoint was trained for another target ({'; '.join(diffs)}); "
                                       "use the target it was trained for")
-        own = self.state_dict()
-        for key, value in own.items():
-            if key not in checkpoint["state_dict"] and (key.startswith(FROZEN_PREFIXES) or key == "drafter.lm_head.weight"):
+        for key, value in self.state_dict().items():
+            if key not in checkpoint["state_dict"] and self._frozen_key(key):
                 checkpoint["state_dict"][key] = value
+
+    def _frozen_key(self, key: str) -> bool:
+        """Target parts: the embedding, the full-vocabulary head, and an EAGLE drafter's (shared) head."""
+        return key.startswith(FROZEN_PREFIXES) or (key == "drafter.lm_head.weight" and self.hparams.kind == "eagle")
 
     # --- the alignment forward shared by training and validation ------------------------------------
     def _features(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,97 @@
+"""Our runtime against transformers' assisted generation: same target, same draft LM, one run.
+
+The SmolLM2 target and the standalone draft LM of recipes/smollm2-135m/standalone-cpu.yaml,
+greedy, fp32 (identity is an fp32 property: in bf16 near-ties can flip). Each side runs with
+its own default draft-length policy (ours: `draftsmith eval`'s static K=4; transformers: its
+assistant defaults, 20 tokens with an adaptive 0.4 confidence stop), then both with the same
+static K. Arms alternate; medians of the repeats.
+
+    python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4]
+
+DIR is a native export of the standalone drafter; by default the one `draftsmith run
+recipes/smollm2-135m/standalone-cpu.yaml` writes. Ends with `RESULT identical=... ratio=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/standalone-cpu/export-native"))
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.target import load_target
+    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.proposers import ModelProposer
+
+    if not (Path(args.drafter) / "draftsmith.json").is_file():
+        raise SystemExit(f"no standalone drafter at {args.drafter}: run "
+                         "`draftsmith run recipes/smollm2-135m/standalone-cpu.yaml` first")
+    target = load_target("embedded:smollm2-135m-instruct", dtype="float32")
+    draft = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    tok = target.tokenizer
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+               for p in load_prompts("mtbench", args.limit)]
+    eos = tok.eos_token_id
+    runner, proposer = TargetRunner(target.model), ModelProposer(draft, target.vocab_size)
+
+    def ours(policy_factory):
+        outs, start = [], time.perf_counter()
+        for ids in prompts:
+            outs.append(generate(runner, proposer, ids, args.max_new_tokens, policy_factory(), eos_token_ids=(eos,)).tokens)
+        return outs, sum(map(len, outs)) / (time.perf_counter() - start)
+
+    def theirs(num_assistant_tokens=None):
+        outs, start = [], time.perf_counter()
+        if num_assistant_tokens is None:  # unset: transformers fills in its own defaults
+            draft.generation_config.num_assistant_tokens = None
+            draft.generation_config.num_assistant_tokens_schedule = None
+            draft.generation_config.assistant_confidence_threshold = None
+        else:
+            draft.generation_config.num_assistant_tokens = num_assistant_tokens
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            draft.generation_config.assistant_confidence_threshold = 0.0
+        for ids in prompts:
+            out = target.model.generate(torch.tensor([ids]), assistant_model=draft, max_new_tokens=args.max_new_tokens,
+                                        do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            outs.append(out[0, len(ids):].tolist())
+        return outs, sum(map(len, outs)) / (time.perf_counter() - start)
+
+    arms = {"ours_default": lambda: ours(lambda: Static(4)), "hf_default": lambda: theirs(),
+            f"ours_static{args.k}": lambda: ours(lambda: Static(args.k)), f"hf_static{args.k}": lambda: theirs(args.k)}
+    for arm in arms.values():  # warm-up
+        arm()
+    rates, outputs = {name: [] for name in arms}, {}
+    for _ in range(args.repeats):
+        for name, arm in arms.items():
+            outputs[name], rate = arm()
+            rates[name].append(rate)
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    identical = all(outputs[n] == outputs["hf_default"] for n in outputs)
+    for name, r in rates.items():
+        print(f"{name:>14}: {med[name]:6.1f} tok/s (spread {min(r):.1f}-{max(r):.1f})")
+    ratio, ratio_static = med["ours_default"] / med["hf_default"], med[f"ours_static{args.k}"] / med[f"hf_static{args.k}"]
+    print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32; outputs identical: {identical}")
+    print(f"RESULT identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
+          f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
