@@ -97,7 +97,7 @@ def test_drafter_cache_is_complete_after_a_round(target):
     out = generate(runner, proposer, prompt, 15, Static(3))
     seq = prompt + out.tokens
     fresh = FeatureProposer(proposer.drafter, V)
-    _, final, _ = TargetRunner(target).forward.__func__(_fresh_runner(target), seq[:-1])
+    _, final, _ = _fresh_runner(target).forward(seq[:-1])
     fresh.observe(seq[1:], final, None)
     assert fresh.anchors == proposer.anchors
     torch.testing.assert_close(fresh.hidden, proposer.hidden, atol=1e-5, rtol=1e-4)

@@ -1,5 +1,6 @@
 """Training through the real CLI on tiny features: logging, frozen target, resume, DDP, bad input."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -69,7 +70,7 @@ def test_fit_logs_tau_per_validation_and_keeps_the_target_frozen(tiny_features, 
     assert torch.equal(model.target_head.weight, target.lm_head.weight)
     assert torch.equal(model.drafter.embed_tokens.weight, target.embed_tokens.weight)
     assert model.drafter.vocab_size == 40
-    rows = [json.loads(json.dumps(r)) for r in __import__("csv").DictReader(open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv"))]
+    rows = list(csv.DictReader(open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv")))
     taus = [float(r["val/tau"]) for r in rows if r.get("val/tau")]
     assert len(taus) == 2 and all(1.0 <= t <= 3.0 for t in taus)
     ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
