@@ -123,8 +123,8 @@ def export(checkpoint: str, format: str = "native", out: str = "export", specula
 def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
          turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
          top_k: int | None = None, top_p: float | None = None, policy: str = "static", k: int = 4,
-         threshold: float = 0.4, dtype: str = "bfloat16", device: str = "cpu", repeats: int = 3, seed: int = 0,
-         out: str = "runs/eval") -> None:
+         threshold: float = 0.4, tree: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
+         repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
     """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
 
     Writes OUT/results.json and PNG plots, and prints a table per category.
@@ -143,6 +143,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
         policy: draft length: static, heuristic, confidence or oracle.
         k: draft length (static), starting length (heuristic) or maximum (confidence, oracle).
         threshold: the confidence policy's threshold.
+        tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
+            omit for chain drafts with --policy.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -156,7 +158,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
     cfg = EvalConfig(target=target, drafter=drafter, prompts=prompts, limit=limit, turns=turns, data=data,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, policy=policy,
-                     k=k, threshold=threshold, dtype=dtype, device=device, repeats=repeats, seed=seed, out=out)
+                     k=k, threshold=threshold, tree=tree, dtype=dtype, device=device, repeats=repeats, seed=seed,
+                     out=out)
     results = evaluate(cfg)
     from pathlib import Path
 
@@ -168,8 +171,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
 
 def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_tokens: int = 128,
-        temperature: float = 0.0, policy: str = "static", k: int = 4, dtype: str = "bfloat16", repeats: int = 3,
-        out: str | None = None) -> None:
+        temperature: float = 0.0, policy: str = "static", k: int = 4, tree: str | None = None,
+        dtype: str = "bfloat16", repeats: int = 3, out: str | None = None) -> None:
     """Run a recipe end to end: extract → fit → export → eval; each finished stage is skipped on a rerun.
 
     Features are extracted when the recipe's feature directory has none (resuming a partial
@@ -184,6 +187,7 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
         temperature: 0 for greedy decoding.
         policy: draft-length policy: static, heuristic, confidence or oracle.
         k: draft length (or its maximum).
+        tree: EAGLE-2 tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32); omit for chain drafts.
         dtype: dtype of target and drafter during evaluation.
         repeats: timed repeats after a warm-up.
         out: where to write the export and the evaluation (default: the recipe's default_root_dir).
@@ -193,7 +197,7 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
     from draftsmith.pipeline import run_recipe
 
     run_recipe(recipe, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
-               policy=policy, k=k, dtype=dtype, repeats=repeats, out=out, console=Console())
+               policy=policy, k=k, tree=tree, dtype=dtype, repeats=repeats, out=out, console=Console())
 
 
 COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export, "eval": evaluate_command,

@@ -14,7 +14,7 @@ def _newest(root: Path, pattern: str) -> Path | None:
 
 
 def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,
-               k: int, dtype: str, repeats: int, out: str | None, console: Any) -> dict[str, Any]:
+               k: int, dtype: str, repeats: int, out: str | None, console: Any, tree: str | None = None) -> dict[str, Any]:
     import torch
     import yaml
 
@@ -64,7 +64,7 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     # 4. evaluation
     console.rule("[bold]4/4 eval")
     cfg = EvalConfig(target=model["target"], drafter=exported["out"], prompts=prompts, limit=limit,
-                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, dtype=dtype,
+                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree, dtype=dtype,
                      repeats=repeats, out=str(root / "eval"))
     results = evaluate(cfg, console)
     results["checkpoint"] = str(best)

@@ -24,10 +24,10 @@ def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
     rounds = [r for res in results for r in res.rounds]
     if not rounds:
         return {"rounds": 0, "tau": 1.0, "mean_accepted": 0.0, "alpha": [], "histogram": {}}
-    depth = max(r.drafted for r in rounds)
+    depth = max(r.depth for r in rounds)
     reached, accepted_at = [0] * depth, [0] * depth
-    for r in rounds:
-        for j in range(min(r.drafted, r.accepted + 1)):  # position j is judged when all before it passed
+    for r in rounds:  # a tree's position j is its depth j+1: judged when the path reached depth j
+        for j in range(min(r.depth, r.accepted + 1)):  # position j is judged when all before it passed
             reached[j] += 1
             accepted_at[j] += j < r.accepted
     tokens = sum(len(res.tokens) for res in results)
@@ -44,16 +44,18 @@ def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
         "drafted": drafted,
         "drafted_rejected": drafted - accepted,
         "drafter_forwards": sum(r.drafter_forwards for r in rounds),
+        "mean_tree_size": statistics.fmean(r.tree_size for r in rounds),
     }
 
 
 def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], max_new_tokens: int,
                make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...],
-               seed: int, on_prompt: Callable[[], None] | None = None) -> list[GenerationResult]:
+               seed: int, on_prompt: Callable[[], None] | None = None, tree: Any = None) -> list[GenerationResult]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for ids in prompts:
-        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(), sampling, eos_token_ids=eos, generator=g))
+        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(), sampling, eos_token_ids=eos,
+                            generator=g, tree=tree if proposer.needs_features else None))
         if on_prompt:
             on_prompt()
     return out
@@ -61,17 +63,18 @@ def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], ma
 
 def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
             make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
-            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None) -> dict[str, Any]:
+            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None) -> dict[str, Any]:
     """Both arms over the same prompts, alternating, `repeats` times after a warm-up."""
     baseline = NoProposer(runner.head.weight.shape[0])
     arms = {"autoregressive": baseline, "method": proposer}
     for arm in arms.values():  # warm-up: first calls allocate and compile
-        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed)
+        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=tree)
     runs: dict[str, list[list[GenerationResult]]] = {"autoregressive": [], "method": []}
     for r in range(repeats):
         for name, arm in arms.items():
             tick = progress(f"{name} {r + 1}/{repeats}") if progress else None
-            runs[name].append(decode_all(runner, arm, prompts, max_new_tokens, make_policy, sampling, eos, seed + r, tick))
+            runs[name].append(decode_all(runner, arm, prompts, max_new_tokens, make_policy, sampling, eos, seed + r, tick,
+                                         tree=tree))
     speed = {}
     for name, reps in runs.items():
         rates = [sum(len(x.tokens) for x in rep) / sum(x.seconds for x in rep) for rep in reps]

@@ -25,6 +25,7 @@ class EvalConfig:
     policy: str = "static"
     k: int = 4
     threshold: float = 0.4
+    tree: str | None = None  # DEPTH,TOPK,TOKENS: EAGLE-2 tree drafting instead of chains
     dtype: str = "bfloat16"
     device: str = "cpu"
     repeats: int = 3
@@ -36,6 +37,19 @@ class EvalConfig:
             raise DraftsmithError(f"--repeats must be >= 1, got {self.repeats}")
         if self.turns not in ("first", "both"):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
+        self.tree_shape()
+
+    def tree_shape(self) -> Any:
+        """The TreeShape --tree asks for, or None for chain drafts."""
+        from draftsmith.runtime.tree import TreeShape
+
+        if self.tree in (None, "", "none", "chain"):
+            return None
+        try:
+            depth, topk, total = (int(x) for x in str(self.tree).strip("[]() ").split(","))
+        except ValueError:
+            raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {self.tree!r}") from None
+        return TreeShape(depth, topk, total)
 
 
 def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
@@ -107,7 +121,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
             return lambda: progress.advance(task)
 
         results = measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
-                          cfg.repeats, cfg.seed, tick_factory)
+                          cfg.repeats, cfg.seed, tick_factory, tree=cfg.tree_shape())
     for sample in results["samples"]:
         sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),

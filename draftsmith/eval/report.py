@@ -28,7 +28,9 @@ def table(results: dict[str, Any]) -> Any:
               f"{acc['mean_accepted']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
               f"{speed['autoregressive']['tokens_per_second']:.1f}", f"[bold]{speed['speedup']:.2f}x")
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
-    t.caption = (f"α_j by position: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
+    drafts = f"tree {results['config']['tree']} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
+        if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
+    t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")
     return t
 

@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from dataclasses import replace
+
+from draftsmith import DraftsmithError
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.tree import DraftTree, TreeShape, tree_attention_mask, verify_tree, verify_tree_greedy
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
 # π = rule(q_raw, q_scaled, p_raw, p_scaled), each (K, V); None means exact (π = p)
@@ -29,6 +33,7 @@ class RoundStats:
     accepted: int
     committed: int
     tree_size: int
+    depth: int  # deepest drafted position (= drafted for a chain)
     target_forwards: int
     drafter_forwards: int
     seconds: float
@@ -67,11 +72,18 @@ class TargetRunner:
         self.cache = DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Logits (n, V), final features (n, H) and fused aux (n, k*H) for n new tokens."""
+    def forward(self, tokens: list[int], tree: DraftTree | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Logits (n, V), final features (n, H) and fused aux (n, k*H) for n new tokens; with a
+        tree, tokens = [root, nodes...] under the tree mask at positions cached + depth."""
         ids = torch.tensor([tokens], device=self.device)
+        extra = {}
+        if tree is not None:
+            cached = self.cached()
+            depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
+            extra = {"attention_mask": tree_attention_mask(tree, cached, self.head.weight.dtype).to(self.device),
+                     "position_ids": (cached + depth)[None]}
         out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                           output_hidden_states=bool(self.aux_layer_ids))
+                           output_hidden_states=bool(self.aux_layer_ids), **extra)
         final = out.last_hidden_state[0]
         aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return self.head(final), final, aux
@@ -80,15 +92,72 @@ class TargetRunner:
         if remove > 0:
             self.cache.crop(-remove)
 
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After a tree forward from `start` cached positions: keep the root and the accepted nodes."""
+        index = torch.tensor(list(range(start + 1)) + [start + 1 + i for i in path], device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
+            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+
     def cached(self) -> int:
         return self.cache.get_seq_length()
+
+
+def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], policy: Any, max_k: int,
+                 sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
+    """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
+    token, the forward's outputs, and (drafted, tree size, depth)."""
+    draft, q, q_raw = proposer.propose(sequence, policy, max_k, sampling, generator)
+    k = len(draft)
+    logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
+    if sampling.greedy and rule is None:
+        accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), logits.argmax(-1))
+    else:
+        p_raw, p = distributions(logits, sampling)
+        pi = p.clone()
+        if rule is not None and k:
+            pi[:k] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:k], p[:k])
+        accepted, token = verify_chain(torch.tensor(draft, dtype=torch.long, device=p.device), q.to(p.device), pi, generator)
+    runner.rollback(k - accepted)
+    return draft[:accepted], token, (final, aux), (k, k, k)
+
+
+def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape: TreeShape, max_depth: int,
+                sampling: SamplingConfig, generator: torch.Generator | None):
+    """Draft an EAGLE-2 tree, verify it in one target forward under the tree mask, keep the
+    accepted path's cache entries. Same returns as `_chain_round`, features of the path rows."""
+    start = runner.cached()
+    tree = proposer.propose_tree(replace(shape, depth=max_depth)) if max_depth >= 1 else None
+    if tree is None:
+        logits, final, aux = runner.forward([sequence[-1]])
+        token = int(logits[-1].argmax()) if sampling.greedy else int(sample(distributions(logits[-1], sampling)[1], generator))
+        return [], token, (final, aux), (0, 0, 0)
+    logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
+    if sampling.greedy:
+        path, token = verify_tree_greedy(tree, logits.argmax(-1))
+    else:
+        path, token = verify_tree(tree, distributions(logits, sampling)[1], generator)
+    runner.keep_path(start, path)
+    rows = torch.tensor([0] + [1 + i for i in path], device=final.device)
+    features = (final[rows], aux[rows] if aux is not None else None)
+    return tree.tokens[path].tolist(), token, features, (len(tree), len(tree), tree.max_depth)
 
 
 @torch.no_grad()
 def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tokens: int, policy: Any,
              sampling: SamplingConfig = SamplingConfig(), rule: TargetRule | None = None,
-             eos_token_ids: tuple[int, ...] = (), generator: torch.Generator | None = None) -> GenerationResult:
-    """Speculative decoding of up to `max_new_tokens` after `prompt`; returns tokens and per-round stats."""
+             eos_token_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
+             tree: TreeShape | None = None) -> GenerationResult:
+    """Speculative decoding of up to `max_new_tokens` after `prompt`; returns tokens and per-round stats.
+
+    With `tree`, each round drafts an EAGLE-2 dynamic tree (feature drafters only) instead of
+    asking `policy` for a chain; deferral rules (`rule`) apply to chain drafts.
+    """
+    if tree is not None and not hasattr(proposer, "propose_tree"):
+        raise DraftsmithError(f"tree drafting needs a feature drafter (EAGLE/HASS/EAGLE-3), not {type(proposer).__name__}")
+    if tree is not None and rule is not None:
+        raise DraftsmithError("deferral rules (lossy verification, cascades) run on chain drafts; drop --tree")
     start = time.perf_counter()
     runner.reset()
     proposer.reset()
@@ -103,31 +172,25 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
     while len(result.tokens) < max_new_tokens and result.stop != "eos":
         t0, drafter_before = time.perf_counter(), proposer.forwards
         sequence = prompt + result.tokens
-        max_k = min(policy.max_tokens(), max_new_tokens - len(result.tokens) - 1)
-        draft, q, q_raw = proposer.propose(sequence, policy, max_k, sampling, generator)
-        k = len(draft)
-        logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
-        if sampling.greedy and rule is None:
-            accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), logits.argmax(-1))
+        room = max_new_tokens - len(result.tokens) - 1  # drafted tokens that can still be committed
+        if tree is None:
+            accepted, token, (final, aux), (k, size, depth) = _chain_round(
+                runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
-            p_raw, p = distributions(logits, sampling)
-            pi = p.clone()
-            if rule is not None and k:
-                pi[:k] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:k], p[:k])
-            accepted, token = verify_chain(torch.tensor(draft, dtype=torch.long, device=p.device), q.to(p.device), pi, generator)
-        new = draft[:accepted] + [token]
+            accepted, token, (final, aux), (k, size, depth) = _tree_round(
+                runner, proposer, sequence, tree, min(tree.depth, room), sampling, generator)
+        new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
             if x in eos_token_ids:
                 new, result.stop = new[: i + 1], "eos"
                 break
         new = new[: max_new_tokens - len(result.tokens)]
-        runner.rollback(k - accepted)
         if proposer.needs_features and result.stop != "eos":
             proposer.observe(new, final[: len(new)], aux[: len(new)] if aux is not None else None)
-        policy.end_round(k, accepted)
+        policy.end_round(depth, len(accepted))
         result.tokens += new
-        result.rounds.append(RoundStats(drafted=k, accepted=min(accepted, len(new) - 1 if new else 0),
-                                        committed=len(new), tree_size=k, target_forwards=1,
+        result.rounds.append(RoundStats(drafted=k, accepted=min(len(accepted), len(new) - 1 if new else 0),
+                                        committed=len(new), tree_size=size, depth=depth, target_forwards=1,
                                         drafter_forwards=proposer.forwards - drafter_before,
                                         seconds=time.perf_counter() - t0))
     result.seconds = time.perf_counter() - start

@@ -15,6 +15,7 @@ import torch
 
 from draftsmith.models.common import KVBuffer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
 
 Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
 
@@ -109,6 +110,48 @@ class FeatureProposer:
         if not tokens:
             return _empty(self.vocab_size)
         return tokens, torch.stack(scaled), torch.stack(raw)
+
+    @torch.no_grad()
+    def propose_tree(self, shape: TreeShape) -> DraftTree:
+        """An EAGLE-2 dynamic tree: expand the `topk` best frontier nodes per level in one drafter
+        forward each; every expanded node's keys go to the buffer after the real anchors and are
+        seen only by its descendants. `observe` crops them away next round."""
+        device = self.hidden.device
+        candidates: list[tuple[int, int, float, int]] = []  # (token, parent candidate, score, depth)
+        ancestors: dict[int, tuple[int, ...]] = {}  # strict ancestors of each candidate
+        hidden_of = {-1: self.hidden[0, 0]}  # the drafter's output that predicts a node's children
+
+        def add_children(hidden: torch.Tensor, parents: list[int], depth: int) -> list[int]:
+            logp = torch.log_softmax(self.drafter.logits(hidden)[0].float(), dim=-1)  # (m, V or Vd)
+            top = logp.topk(min(shape.topk, logp.shape[-1]), dim=-1)
+            ids = top.indices if self.to_target is None else self.to_target[top.indices]
+            new = []
+            for parent, row_ids, row_logp in zip(parents, ids.tolist(), top.values.tolist()):
+                base = candidates[parent][2] if parent >= 0 else 0.0
+                for token, lp in zip(row_ids, row_logp):
+                    new.append(len(candidates))
+                    candidates.append((token, parent, base + lp, depth))
+                    ancestors[new[-1]] = ancestors[parent] + (parent,) if parent >= 0 else ()
+            return new
+
+        frontier = add_children(self.hidden, [-1], 1)
+        expanded: list[int] = []  # candidate behind each speculative buffer entry, in order
+        for depth in range(2, shape.depth + 1):
+            nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
+            m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
+            mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool, device=device)
+            mask[..., : self.anchors] = True
+            for r, c in enumerate(nodes):
+                mask[0, 0, r, [slot[a] for a in ancestors[c]] + [self.anchors + len(expanded) + r]] = True
+            tokens = torch.tensor([[candidates[c][0] for c in nodes]], device=device)
+            parent_hidden = torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None]  # (1, m, H)
+            positions = torch.full((1, m), self.anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
+            out = self.drafter(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
+            self.forwards += 1
+            expanded += nodes
+            hidden_of.update({c: out[0, r] for r, c in enumerate(nodes)})
+            frontier = add_children(out, nodes, depth)
+        return build_tree(candidates, shape.total_tokens, device)
 
 
 class ModelProposer:

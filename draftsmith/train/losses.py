@@ -54,16 +54,54 @@ def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_wei
     return mass, mix
 
 
+class _HeadLogSumExp(torch.autograd.Function):
+    """logsumexp(x Wᵀ) over the vocabulary, row chunk by row chunk; the backward recomputes each
+    chunk's logits instead of keeping (N, V) floats alive (on a CPU their page faults and copies
+    cost more than the extra matmul)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
+        xc, wc, acc = x.to(dtype), weight.to(dtype), torch.promote_types(dtype, torch.float32)
+        out = torch.cat([torch.logsumexp((xc[i:i + chunk] @ wc.T).to(acc), -1) for i in range(0, len(x), chunk)])
+        ctx.save_for_backward(x, weight, out)
+        ctx.dtype, ctx.chunk = dtype, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, lse = ctx.saved_tensors
+        xc, wc = x.to(ctx.dtype), weight.to(ctx.dtype)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        for i in range(0, len(x), ctx.chunk):
+            rows = slice(i, i + ctx.chunk)
+            # d lse / d z = softmax(z); scaled by the incoming gradient per row
+            g = torch.exp((xc[rows] @ wc.T).to(lse.dtype) - lse[rows, None]).mul_(grad[rows, None]).to(ctx.dtype)  # (n, V)
+            if need_x:
+                grad_x[rows] = (g @ wc).to(x.dtype)
+            if need_w:
+                grad_w += (g.T @ xc[rows]).to(lse.dtype)
+        return grad_x, grad_w.to(weight.dtype) if need_w else None, None, None
+
+
+def head_logsumexp(x: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """logsumexp(x Wᵀ, -1) (N,), at least float32; the matmuls run in the autocast dtype when autocast is on."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
+    with torch.autocast(device, enabled=False):
+        return _HeadLogSumExp.apply(x, weight, dtype, chunk)
+
+
 def head_distillation(x: torch.Tensor, weight: torch.Tensor, mass: torch.Tensor, mix: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
     """Weighted −Σ p(v) log q(v) terms for q = softmax(x Wᵀ), without forming log q.
 
     With z = x Wᵀ and −log q(v) = logsumexp(z) − x·W_v, any weighted sum of such terms is
     logsumexp(z)·mass − x·mix (`target_mix` builds mass and mix). Equal to soft_cross_entropy /
-    topk_distillation of the logits (a test checks), at the cost of one logsumexp over V.
+    topk_distillation of the logits (a test checks), at the cost of one chunked logsumexp over V.
     """
-    z = (x @ weight.T).float()  # (N, V)
-    return _masked_mean(torch.logsumexp(z, -1) * mass - (x.float() * mix.float()).sum(-1), mask)
+    return _masked_mean(head_logsumexp(x, weight) * mass - (x.float() * mix.float()).sum(-1), mask)
 
 
 def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, top_k: int | None = None) -> torch.Tensor:

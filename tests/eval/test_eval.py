@@ -20,7 +20,7 @@ def test_prompt_sets():
 
 
 def test_acceptance_statistics_by_hand():
-    rounds = [RoundStats(3, 3, 4, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 1, 3, 0.1)]
+    rounds = [RoundStats(3, 3, 4, 3, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 3, 1, 3, 0.1)]
     stats = acceptance_stats([GenerationResult(tokens=[0] * 8, prompt_length=2, rounds=rounds)])
     assert stats["tau"] == pytest.approx((4 + 2 + 1) / 3) and stats["mean_accepted"] == pytest.approx(4 / 3)
     # position 0 reached 3 times, accepted twice; position 1 reached twice, accepted once; position 2 reached once
@@ -42,3 +42,18 @@ def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
     assert results["speed"]["repeats"] == 2 and results["speed"]["speedup"] > 0
     assert set(results["per_category"]) and (tmp_path / "eval" / "alpha_by_position.png").is_file()
     assert (tmp_path / "eval" / "by_category.png").is_file() and "speedup" in result.stdout
+
+
+def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
+    assert run_cli("export", str(eagle3_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
+    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                     "--limit", "2", "--max_new_tokens", "12", "--repeats", "1", "--dtype", "float32",
+                     "--tree", "3,2,5", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["identical_outputs"] is True and results["config"]["tree"] == "3,2,5"
+    acc = results["acceptance"]
+    assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) <= 3 and 1 <= acc["mean_tree_size"] <= 5
+    assert "tree 3,2,5" in result.stdout
+    bad = run_cli("eval", "--target", str(tiny_features / "target"), "--tree", "5x8", "--out", str(tmp_path / "e2"))
+    assert bad.returncode == 2 and "DEPTH,TOPK,TOKENS" in bad.stderr

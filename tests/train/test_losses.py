@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from draftsmith.train.losses import (feature_regression, head_distillation, target_mix, forward_kl, soft_cross_entropy, step_weights,
+from draftsmith.train.losses import (feature_regression, head_distillation, head_logsumexp, target_mix, forward_kl, soft_cross_entropy, step_weights,
                                      topk_distillation, uniform_noise)
 
 # one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
@@ -66,3 +66,21 @@ def test_factored_head_loss_equals_the_plain_definitions():
         torch.testing.assert_close(head_distillation(x, weight, mass, mix, mask).double(), expected.double())
     reference = -(p * torch.log_softmax(logits, -1)).sum(-1)[mask].mean()
     torch.testing.assert_close(soft_cross_entropy(logits, p, mask).double(), reference)
+
+
+def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+    (head_logsumexp(x, w, chunk=5) * upstream).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (torch.logsumexp(x @ w.T, -1) * upstream).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+    frozen = w.detach()
+    out = head_logsumexp(x, frozen, chunk=7)
+    torch.testing.assert_close(out, torch.logsumexp(x @ frozen.T, -1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # computed in bf16 under autocast, returned as float32
+        assert head_logsumexp(x.float(), frozen.float()).dtype == torch.float32

@@ -1,0 +1,165 @@
+"""EAGLE-2 dynamic draft trees (Li et al. 2024, arXiv:2406.16858): build, mask, verify.
+
+Building (`TreeShape`): the root is the pending token; its children are the drafter's top-k
+tokens. At every further depth the `topk` frontier nodes with the highest cumulative
+log-probability (the product of the drafter's probabilities along the path) are expanded in
+one drafter forward, each into its top-k children. After `depth` levels the `total_tokens`
+best nodes of everything drafted are kept (reranking); a child never scores above its parent,
+so the kept set is closed under ancestors.
+
+Verification: every node is a deterministic draft (q = one-hot). Greedy decoding follows the
+child that equals the target's argmax. Sampling is sibling-wise: at a node with target law p,
+each child x in turn is accepted with probability p(x); on rejection p(x) is zeroed and p
+renormalized (the residual norm(max(0, p − onehot(x)))); when every child is rejected the
+token is drawn from what remains, and a fully accepted leaf draws its bonus token from p.
+The committed tokens therefore follow p exactly.
+
+Notation: n tree nodes (the root excluded), S cached target positions, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.runtime.sampling import sample
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2's tree parameters: expand `topk` nodes per level into `topk` children each, for
+    `depth` levels, then keep the `total_tokens` best nodes."""
+
+    depth: int = 5
+    topk: int = 8
+    total_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.total_tokens < 1:
+            raise DraftsmithError(f"tree depth, topk and total_tokens must be >= 1, got {self}")
+
+
+@dataclass
+class DraftTree:
+    """n drafted nodes in breadth-first order (parents before children, siblings by score).
+
+    tokens (n,) target ids; parents (n,) the parent's index, -1 for the root (the pending
+    token); depth (n,) 1 for the root's children; scores (n,) cumulative log-probability.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    scores: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if len(self) else 0
+
+    def children(self) -> list[list[int]]:
+        """children()[i + 1] lists node i's children (index 0 is the root), in score order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents.tolist()):
+            kids[parent + 1].append(i)
+        return kids
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = int(self.parents[node])
+        return out[::-1]
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors.
+
+    `parents` must list parents before children (breadth-first order)."""
+    n = parents.shape[0]
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= i:
+            raise DraftsmithError(f"tree node {i} has parent {parent}: parents must come before children")
+        if parent >= 0:
+            anc[i] |= anc[parent]
+    return anc
+
+
+def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]:
+    every row sees the cache and the root; node rows see their ancestors and themselves."""
+    n = len(tree)
+    device = tree.tokens.device
+    allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=device)
+    allowed[0, cached + 1:] = False
+    allowed[1:, cached + 1:] = ancestor_matrix(tree.parents)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int, device: torch.device) -> DraftTree:
+    """Rerank drafted candidates (token, parent candidate index or -1, score, depth) and keep the
+    `total_tokens` best, as a breadth-first DraftTree. Ties go to the shallower node, so the kept
+    set is ancestor-closed (a child's score never exceeds its parent's)."""
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][2], candidates[i][3], i))
+    kept = set(order[:total_tokens])
+    for i in list(kept):  # closure, for scores equal to the last bit
+        parent = candidates[i][1]
+        while parent >= 0 and parent not in kept:
+            kept.add(parent)
+            parent = candidates[parent][1]
+    nodes = sorted(kept, key=lambda i: (candidates[i][3], -candidates[i][2], i))
+    index = {c: k for k, c in enumerate(nodes)}
+    tokens = [candidates[c][0] for c in nodes]
+    parents = [index[candidates[c][1]] if candidates[c][1] >= 0 else -1 for c in nodes]
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                     parents=torch.tensor(parents, dtype=torch.long, device=device),
+                     depth=torch.tensor([candidates[c][3] for c in nodes], dtype=torch.long, device=device),
+                     scores=torch.tensor([candidates[c][2] for c in nodes], dtype=torch.float32, device=device))
+
+
+def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
+    """Follow the child equal to the target's argmax (n+1,) (row 0: after the root).
+    Returns (accepted node indices root-down, the next token)."""
+    kids, argmax = tree.children(), target_argmax.tolist()
+    tokens = tree.tokens.tolist()
+    node, path = -1, []
+    while True:
+        want = argmax[node + 1]
+        match = next((c for c in kids[node + 1] if tokens[c] == want), None)
+        if match is None:
+            return path, want
+        path.append(match)
+        node = match
+
+
+def verify_tree(tree: DraftTree, pi: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Sibling-wise speculative sampling against pi (n+1, V), the target law after the root and
+    after every node. Returns (accepted node indices root-down, the next token)."""
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    node, path = -1, []
+    while True:
+        p = pi[node + 1].clone()
+        accepted = None
+        for child in kids[node + 1]:
+            x = tokens[child]
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < float(p[x]):
+                accepted = child
+                break
+            p[x] = 0.0
+            mass = float(p.sum())
+            if mass <= 1e-12:  # p was (numerically) all on x: rejecting it had probability ~0
+                accepted = child
+                break
+            p = p / mass
+        if accepted is None:
+            return path, int(sample(p, generator))
+        path.append(accepted)
+        node = accepted

@@ -1,0 +1,207 @@
+"""METRICS.md proof 7 (trees) and proofs 1, 3, 6 for tree drafts, on tiny random fp32 models."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.models.eagle import EagleDrafter
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.policies import Static
+from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
+from draftsmith.runtime.sampling import SamplingConfig
+from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, tree_attention_mask,
+                                     verify_tree)
+from tests.conftest import make_llama
+from tests.runtime.test_generate import exact_law
+
+V = 50
+
+#        root
+#       /    \
+#      0      1
+#     / \      \
+#    2   3      4
+#    |
+#    5
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2])
+
+
+def hand_tree(tokens):
+    depth = torch.tensor([1, 1, 2, 2, 2, 3])
+    return DraftTree(torch.tensor(tokens), PARENTS, depth, -depth.float())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_llama(V, seed=0, hidden=32, layers=2)
+
+
+def feature_proposers(target):
+    torch.manual_seed(1)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    return {"eagle": FeatureProposer(EagleDrafter(target.config, embed, head), V),
+            "eagle3": FeatureProposer(Eagle3Drafter(target.config, embed, head, None, torch.arange(0, V, 2), 3, 32), V,
+                                      [0, 1, 2])}
+
+
+def test_tree_mask_is_the_ancestor_matrix():
+    anc = ancestor_matrix(PARENTS)
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for i, chain in enumerate([[0], [1], [0, 2], [0, 3], [1, 4], [0, 2, 5]]):
+        expected[i, chain] = True
+    assert torch.equal(anc, expected)
+    mask = tree_attention_mask(hand_tree([1] * 6), cached=4, dtype=torch.float32)[0, 0]
+    assert mask.shape == (7, 11)
+    visible = mask == 0
+    assert visible[:, :5].all()  # cache and root seen by every row
+    assert not visible[0, 5:].any()  # the root sees no drafted node
+    assert torch.equal(visible[1:, 5:], expected)
+    with pytest.raises(DraftsmithError, match="parents must come before"):
+        ancestor_matrix(torch.tensor([1, -1]))
+
+
+def test_every_root_to_leaf_path_matches_the_chain_computation(target):
+    runner = TargetRunner(target)
+    prompt, tree = [4, 8, 15, 16, 23], hand_tree([42, 7, 9, 11, 30, 2])
+    runner.reset()
+    runner.forward(prompt[:-1])
+    logits, _, _ = runner.forward([prompt[-1]] + tree.tokens.tolist(), tree)
+    for leaf in (3, 4, 5):
+        path = tree.path(leaf)
+        chain = target(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(logits[[0] + [1 + i for i in path]], chain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [[], [0], [0, 2], [0, 2, 5], [1, 4]])
+def test_target_cache_keeps_exactly_the_accepted_path(target, keep):
+    runner = TargetRunner(target)
+    prompt, tree = [4, 8, 15, 16], hand_tree([42, 7, 9, 11, 30, 2])
+    runner.reset()
+    runner.forward(prompt[:-1])
+    start = runner.cached()
+    runner.forward([prompt[-1]] + tree.tokens.tolist(), tree)
+    runner.keep_path(start, keep)
+    logits, _, _ = runner.forward([13])
+    full = target(torch.tensor([prompt + tree.tokens[keep].tolist() + [13]])).logits[0, -1]
+    torch.testing.assert_close(logits[-1], full, atol=1e-5, rtol=1e-5)
+
+
+def test_reranking_keeps_the_best_ancestor_closed_nodes():
+    # (token, parent, score, depth)
+    cands = [(5, -1, -0.1, 1), (6, -1, -2.0, 1), (7, 0, -0.3, 2), (8, 0, -3.0, 2), (9, 2, -0.5, 3), (3, 1, -2.5, 2)]
+    tree = build_tree(cands, 4, torch.device("cpu"))
+    assert tree.tokens.tolist() == [5, 6, 7, 9]  # breadth-first; the 4 best scores
+    assert tree.parents.tolist() == [-1, -1, 0, 2] and tree.depth.tolist() == [1, 1, 2, 3]
+    tied = [(5, -1, 0.0, 1), (6, 0, 0.0, 2), (7, 1, 0.0, 3)]  # probability-1 drafts tie their parents
+    assert build_tree(tied, 2, torch.device("cpu")).tokens.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", [TreeShape(1, 3, 3), TreeShape(3, 2, 5), TreeShape(5, 4, 12)])
+def test_greedy_tree_output_is_the_targets_own(target, kind, shape):
+    proposer = feature_proposers(target)[kind]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    for seed in range(3):
+        prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=1, eos_token_id=None)[0, 7:].tolist()
+        out = generate(runner, proposer, prompt, 24, Static(0), tree=shape)
+        assert out.tokens == expected
+        assert all(r.tree_size <= shape.total_tokens and r.depth <= shape.depth for r in out.rounds)
+        assert all(r.drafter_forwards <= shape.depth for r in out.rounds)  # one per level + the observe
+
+
+def test_tree_drafts_from_a_perfect_drafter_accept_a_full_depth(target):
+    """A tree holding the target's own greedy continuation (next to a wrong sibling at every
+    level) is accepted to its full depth every round: τ = depth + 1."""
+    prompt = [3, 5, 7]
+
+    class Perfect(FeatureProposer):
+        def reset(self):
+            super().reset()
+            self.seen = prompt[:1]  # observe() adds every later token
+
+        def observe(self, next_tokens, final, aux):
+            self.seen = self.seen + list(next_tokens)
+            super().observe(next_tokens, final, aux)
+
+        def propose_tree(self, shape):
+            seq, cands, parent = list(self.seen), [], -1
+            for d in range(1, shape.depth + 1):
+                token = int(target(torch.tensor([seq])).logits[0, -1].argmax())
+                cands += [(token, parent, -float(d), d), ((token + 1) % V, parent, -d - 0.5, d)]
+                parent, seq = len(cands) - 2, seq + [token]
+            return build_tree(cands, shape.total_tokens, torch.device("cpu"))
+
+    perfect = Perfect(feature_proposers(target)["eagle"].drafter, V)
+    out = generate(TargetRunner(target), perfect, prompt, 1 + 5 * 5, Static(0), tree=TreeShape(4, 2, 8))
+    assert [r.accepted for r in out.rounds] == [4] * 5 and all(r.tree_size == 8 for r in out.rounds)
+
+
+def test_sibling_wise_sampling_is_lossless_at_one_node():
+    """The first committed token follows p, whichever children were drafted (one of them with p = 0)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=g) * 1.5, -1)
+    p[4] = 0.0
+    p = p / p.sum()
+    tree = DraftTree(torch.tensor([2, 4, 0]), torch.tensor([-1, -1, -1]), torch.tensor([1, 1, 1]), torch.zeros(3))
+    pi = torch.stack([p] + [torch.full((6,), 1 / 6)] * 3)
+    n = 20000
+    counts = Counter()
+    for _ in range(n):
+        path, token = verify_tree(tree, pi, g)
+        counts[int(tree.tokens[path[0]]) if path else token] += 1
+    assert counts[4] == 0
+    cells = [v for v in range(6) if p[v] > 0]
+    chi2 = sum((counts[v] - n * float(p[v])) ** 2 / (n * float(p[v])) for v in cells)
+    assert chi2 < 20.5, (chi2, counts)  # chi-square(4): 0.1% tail at 18.5
+
+
+@pytest.mark.parametrize("cfg, shape", [(SamplingConfig(temperature=1.0), TreeShape(2, 2, 4)),
+                                        (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5)),
+                                        (SamplingConfig(temperature=1.3, top_p=0.8), TreeShape(2, 3, 6))])
+def test_multi_step_tree_sampling_is_lossless(cfg, shape):
+    tv, length, n = 4, 3, 2000
+    target = make_llama(tv, seed=3, hidden=16, layers=1)
+    torch.manual_seed(5)
+    drafter = EagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight)
+    prompt = [1, 2]
+    law = exact_law(target, prompt, length, cfg)
+    g = torch.Generator().manual_seed(0)
+    runner, proposer = TargetRunner(target), FeatureProposer(drafter, tv)
+    counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(0), cfg, generator=g, tree=shape).tokens)
+                     for _ in range(n))
+    cells = [s for s in law if law[s] > 0]
+    assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
+    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
+    df = len(cells) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
+
+
+def test_drafter_state_after_tree_rounds_equals_a_fresh_recomputation(target):
+    proposer = feature_proposers(target)["eagle3"]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    prompt = [2, 4, 6, 8, 10]
+    out = generate(runner, proposer, prompt, 15, Static(0), tree=TreeShape(3, 3, 8))
+    seq = prompt + out.tokens
+    fresh = FeatureProposer(proposer.drafter, V, [0, 1, 2])
+    fresh.reset()
+    fresh_runner = TargetRunner(target, [0, 1, 2])
+    fresh_runner.reset()
+    _, final, aux = fresh_runner.forward(seq[:-1])
+    fresh.observe(seq[1:], final, aux)
+    assert fresh.anchors == proposer.anchors
+    torch.testing.assert_close(fresh.hidden, proposer.hidden, atol=1e-5, rtol=1e-4)
+
+
+def test_trees_refuse_what_they_cannot_do(target):
+    runner = TargetRunner(target)
+    with pytest.raises(DraftsmithError, match="feature drafter"):
+        generate(runner, ModelProposer(target, V), [1, 2], 5, Static(2), tree=TreeShape())
+    with pytest.raises(DraftsmithError, match="chain drafts"):
+        generate(runner, feature_proposers(target)["eagle"], [1, 2], 5, Static(2), rule=lambda *a: a[3], tree=TreeShape())
+    with pytest.raises(DraftsmithError, match=">= 1"):
+        TreeShape(depth=0)
