@@ -19,6 +19,7 @@ import torch
 from dataclasses import replace
 
 from draftsmith import DraftsmithError
+from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, tree_attention_mask, verify_tree, verify_tree_greedy
 from draftsmith.runtime.verify import verify_chain, verify_greedy
@@ -82,10 +83,12 @@ class TargetRunner:
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
             extra = {"attention_mask": tree_attention_mask(tree, cached, self.head.weight.dtype).to(self.device),
                      "position_ids": (cached + depth)[None]}
-        out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                           output_hidden_states=bool(self.aux_layer_ids), **extra)
+        with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured:
+            out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                               output_hidden_states=captured.fallback, **extra)
         final = out.last_hidden_state[0]
-        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
+        hidden = captured.collect(out)
+        aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return self.head(final), final, aux
 
     def rollback(self, remove: int) -> None:

@@ -19,6 +19,11 @@ def test_hidden_state_parity_with_output_hidden_states(tiny_target_dir):
     torch.testing.assert_close(final, ref.hidden_states[-1], rtol=0, atol=0)
     torch.testing.assert_close(target.logits(final), ref.logits)
     assert not torch.allclose(extra[2], extra[1])
+    hooks = sum(len(m._forward_hooks) for m in target.model.modules())
+    _, hooked = target.features(ids, mask, layer_ids=[1, 0])  # below N: captured by hooks, not output_hidden_states
+    for i in (0, 1):
+        torch.testing.assert_close(hooked[i], ref.hidden_states[i], rtol=0, atol=0)
+    assert sum(len(m._forward_hooks) for m in target.model.modules()) == hooks  # ours are removed afterwards
 
 
 def test_target_is_frozen_and_identified(tiny_target_dir):
