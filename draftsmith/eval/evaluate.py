@@ -37,13 +37,15 @@ class EvalConfig:
             raise DraftsmithError(f"--repeats must be >= 1, got {self.repeats}")
         if self.turns not in ("first", "both"):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
+        if self.tree in ("", "none", "chain"):
+            self.tree = None
         self.tree_shape()
 
     def tree_shape(self) -> Any:
         """The TreeShape --tree asks for, or None for chain drafts."""
         from draftsmith.runtime.tree import TreeShape
 
-        if self.tree in (None, "", "none", "chain"):
+        if self.tree is None:
             return None
         try:
             depth, topk, total = (int(x) for x in str(self.tree).strip("[]() ").split(","))
