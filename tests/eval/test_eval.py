@@ -29,14 +29,19 @@ def test_acceptance_statistics_by_hand():
     assert stats["target_forwards_per_token"] == pytest.approx(4 / 8)
 
 
-def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
-    assert run_cli("export", str(eagle3_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
-    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
-                     "--limit", "4", "--max_new_tokens", "12", "--repeats", "2", "--dtype", "float32",
-                     "--k", "3", "--out", str(tmp_path / "eval"))
+def export_and_eval(ckpt, features, out, *args):
+    """Export `ckpt` natively, run `draftsmith eval` greedy in fp32; (process result, results.json)."""
+    assert run_cli("export", str(ckpt), "--format", "native", "--out", str(out / "d")).returncode == 0
+    result = run_cli("eval", "--target", str(features / "target"), "--drafter", str(out / "d"),
+                     "--max_new_tokens", "12", "--dtype", "float32", "--out", str(out / "eval"), *args)
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    results = json.loads((out / "eval" / "results.json").read_text())
     assert results["identical_outputs"] is True  # greedy, fp32: the drafter never changes the output
+    return result, results
+
+
+def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
+    result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "4", "--repeats", "2", "--k", "3")
     acc = results["acceptance"]
     assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) == 3 and acc["tokens"] > 0
     assert results["speed"]["repeats"] == 2 and results["speed"]["speedup"] > 0
@@ -45,13 +50,9 @@ def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
 
 
 def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
-    assert run_cli("export", str(eagle3_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
-    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
-                     "--limit", "2", "--max_new_tokens", "12", "--repeats", "1", "--dtype", "float32",
-                     "--tree", "3,2,5", "--out", str(tmp_path / "eval"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "eval" / "results.json").read_text())
-    assert results["identical_outputs"] is True and results["config"]["tree"] == "3,2,5"
+    result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "2", "--repeats", "1",
+                                      "--tree", "3,2,5")
+    assert results["config"]["tree"] == "3,2,5"
     acc = results["acceptance"]
     assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) <= 3 and 1 <= acc["mean_tree_size"] <= 5
     assert "tree 3,2,5" in result.stdout

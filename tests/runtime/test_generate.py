@@ -13,13 +13,8 @@ from draftsmith.runtime.policies import Confidence, Heuristic, Oracle, Static
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions
 from tests.conftest import make_llama
+from tests.runtime.conftest import V, greedy_cases
 
-V = 50
-
-
-@pytest.fixture(scope="module")
-def target():
-    return make_llama(V, seed=0, hidden=32, layers=2)
 
 
 def proposers(target):
@@ -39,10 +34,7 @@ def proposers(target):
 def test_greedy_output_is_the_targets_own(target, kind, policy):
     proposer = proposers(target)[kind]
     runner = TargetRunner(target, proposer.aux_layer_ids)
-    for seed in range(3):
-        prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
-        expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                   pad_token_id=1, eos_token_id=None)[0, 7:].tolist()
+    for prompt, expected in greedy_cases(target):
         out = generate(runner, proposer, prompt, 24, policy())
         assert out.tokens == expected, kind
         assert sum(r.committed for r in out.rounds) + 1 == 24

@@ -7,7 +7,6 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.eagle import EagleDrafter
-from draftsmith.models.eagle3 import Eagle3Drafter
 from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
@@ -15,9 +14,9 @@ from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, tree_attention_mask,
                                      verify_tree)
 from tests.conftest import make_llama
-from tests.runtime.test_generate import exact_law
+from tests.runtime.conftest import V, greedy_cases
+from tests.runtime.test_generate import exact_law, proposers
 
-V = 50
 
 #        root
 #       /    \
@@ -34,17 +33,9 @@ def hand_tree(tokens):
     return DraftTree(torch.tensor(tokens), PARENTS, depth, -depth.float())
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_llama(V, seed=0, hidden=32, layers=2)
-
-
 def feature_proposers(target):
-    torch.manual_seed(1)
-    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
-    return {"eagle": FeatureProposer(EagleDrafter(target.config, embed, head), V),
-            "eagle3": FeatureProposer(Eagle3Drafter(target.config, embed, head, None, torch.arange(0, V, 2), 3, 32), V,
-                                      [0, 1, 2])}
+    every = proposers(target)
+    return {"eagle": every["eagle"], "eagle3": every["eagle3"]}
 
 
 def test_tree_mask_is_the_ancestor_matrix():
@@ -104,10 +95,7 @@ def test_reranking_keeps_the_best_ancestor_closed_nodes():
 def test_greedy_tree_output_is_the_targets_own(target, kind, shape):
     proposer = feature_proposers(target)[kind]
     runner = TargetRunner(target, proposer.aux_layer_ids)
-    for seed in range(3):
-        prompt = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
-        expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                   pad_token_id=1, eos_token_id=None)[0, 7:].tolist()
+    for prompt, expected in greedy_cases(target):
         out = generate(runner, proposer, prompt, 24, Static(0), tree=shape)
         assert out.tokens == expected
         assert all(r.tree_size <= shape.total_tokens and r.depth <= shape.depth for r in out.rounds)
@@ -187,9 +175,9 @@ def test_drafter_state_after_tree_rounds_equals_a_fresh_recomputation(target):
     prompt = [2, 4, 6, 8, 10]
     out = generate(runner, proposer, prompt, 15, Static(0), tree=TreeShape(3, 3, 8))
     seq = prompt + out.tokens
-    fresh = FeatureProposer(proposer.drafter, V, [0, 1, 2])
+    fresh = FeatureProposer(proposer.drafter, V, proposer.aux_layer_ids)
     fresh.reset()
-    fresh_runner = TargetRunner(target, [0, 1, 2])
+    fresh_runner = TargetRunner(target, proposer.aux_layer_ids)
     fresh_runner.reset()
     _, final, aux = fresh_runner.forward(seq[:-1])
     fresh.observe(seq[1:], final, aux)
