@@ -55,7 +55,7 @@ def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], ma
     out = []
     for ids in prompts:
         out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(), sampling, eos_token_ids=eos,
-                            generator=g, tree=tree if proposer.needs_features else None))
+                            generator=g, tree=tree))
         if on_prompt:
             on_prompt()
     return out
@@ -67,14 +67,15 @@ def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categ
     """Both arms over the same prompts, alternating, `repeats` times after a warm-up."""
     baseline = NoProposer(runner.head.weight.shape[0])
     arms = {"autoregressive": baseline, "method": proposer}
-    for arm in arms.values():  # warm-up: first calls allocate and compile
-        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=tree)
+    trees = {"autoregressive": None, "method": tree}  # the baseline drafts nothing
+    for name, arm in arms.items():  # warm-up: first calls allocate and compile
+        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=trees[name])
     runs: dict[str, list[list[GenerationResult]]] = {"autoregressive": [], "method": []}
     for r in range(repeats):
         for name, arm in arms.items():
             tick = progress(f"{name} {r + 1}/{repeats}") if progress else None
             runs[name].append(decode_all(runner, arm, prompts, max_new_tokens, make_policy, sampling, eos, seed + r, tick,
-                                         tree=tree))
+                                         tree=trees[name]))
     speed = {}
     for name, reps in runs.items():
         rates = [sum(len(x.tokens) for x in rep) / sum(x.seconds for x in rep) for rep in reps]

@@ -11,12 +11,10 @@ Notation: P prompt length, K drafted tokens, V vocab, H hidden.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
-
-from dataclasses import replace
 
 from draftsmith import DraftsmithError
 from draftsmith.models.target import capture_hidden_states
@@ -110,7 +108,7 @@ class TargetRunner:
 def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], policy: Any, max_k: int,
                  sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
     """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
-    token, the forward's outputs, and (drafted, tree size, depth)."""
+    token, the forward's outputs, and (drafted, depth)."""
     draft, q, q_raw = proposer.propose(sequence, policy, max_k, sampling, generator)
     k = len(draft)
     logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
@@ -123,7 +121,7 @@ def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], polic
             pi[:k] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:k], p[:k])
         accepted, token = verify_chain(torch.tensor(draft, dtype=torch.long, device=p.device), q.to(p.device), pi, generator)
     runner.rollback(k - accepted)
-    return draft[:accepted], token, (final, aux), (k, k, k)
+    return draft[:accepted], token, (final, aux), (k, k)
 
 
 def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape: TreeShape, max_depth: int,
@@ -131,11 +129,7 @@ def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape:
     """Draft an EAGLE-2 tree, verify it in one target forward under the tree mask, keep the
     accepted path's cache entries. Same returns as `_chain_round`, features of the path rows."""
     start = runner.cached()
-    tree = proposer.propose_tree(replace(shape, depth=max_depth)) if max_depth >= 1 else None
-    if tree is None:
-        logits, final, aux = runner.forward([sequence[-1]])
-        token = int(logits[-1].argmax()) if sampling.greedy else int(sample(distributions(logits[-1], sampling)[1], generator))
-        return [], token, (final, aux), (0, 0, 0)
+    tree = proposer.propose_tree(replace(shape, depth=max_depth))
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:
         path, token = verify_tree_greedy(tree, logits.argmax(-1))
@@ -144,7 +138,7 @@ def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape:
     runner.keep_path(start, path)
     rows = torch.tensor([0] + [1 + i for i in path], device=final.device)
     features = (final[rows], aux[rows] if aux is not None else None)
-    return tree.tokens[path].tolist(), token, features, (len(tree), len(tree), tree.max_depth)
+    return tree.tokens[path].tolist(), token, features, (len(tree), tree.max_depth)
 
 
 @torch.no_grad()
@@ -176,11 +170,11 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
         t0, drafter_before = time.perf_counter(), proposer.forwards
         sequence = prompt + result.tokens
         room = max_new_tokens - len(result.tokens) - 1  # drafted tokens that can still be committed
-        if tree is None:
-            accepted, token, (final, aux), (k, size, depth) = _chain_round(
+        if tree is None or room < 1:  # no room left for a draft: a chain of 0 is one plain step
+            accepted, token, (final, aux), (k, depth) = _chain_round(
                 runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
-            accepted, token, (final, aux), (k, size, depth) = _tree_round(
+            accepted, token, (final, aux), (k, depth) = _tree_round(
                 runner, proposer, sequence, tree, min(tree.depth, room), sampling, generator)
         new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
@@ -193,7 +187,7 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
         policy.end_round(depth, len(accepted))
         result.tokens += new
         result.rounds.append(RoundStats(drafted=k, accepted=min(len(accepted), len(new) - 1 if new else 0),
-                                        committed=len(new), tree_size=size, depth=depth, target_forwards=1,
+                                        committed=len(new), tree_size=k, depth=depth, target_forwards=1,
                                         drafter_forwards=proposer.forwards - drafter_before,
                                         seconds=time.perf_counter() - t0))
     result.seconds = time.perf_counter() - start
