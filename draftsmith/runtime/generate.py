@@ -18,7 +18,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.target import capture_hidden_states
-from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, tree_attention_mask, verify_tree, verify_tree_greedy
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
@@ -113,7 +113,7 @@ def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], polic
     k = len(draft)
     logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
     if sampling.greedy and rule is None:
-        accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), logits.argmax(-1))
+        accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), greedy_tokens(logits))
     else:
         p_raw, p = distributions(logits, sampling)
         pi = p.clone()
@@ -132,7 +132,7 @@ def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape:
     tree = proposer.propose_tree(replace(shape, depth=max_depth))
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:
-        path, token = verify_tree_greedy(tree, logits.argmax(-1))
+        path, token = verify_tree_greedy(tree, greedy_tokens(logits))
     else:
         path, token = verify_tree(tree, distributions(logits, sampling)[1], generator)
     runner.keep_path(start, path)

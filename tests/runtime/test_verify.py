@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.runtime import targets
-from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
 V, N = 6, 30000
@@ -147,3 +147,11 @@ def test_mixture_samples_follow_pi_and_token_specific_sums_to_one():
     assert chi2(counts, pi) < CHI2_DF5_P001
     keep = targets.token_keep(q, p, 0.1)
     assert torch.allclose(targets.token_specific(q, p, keep).sum(-1), torch.tensor(1.0))
+
+
+def test_greedy_tokens_match_the_low_precision_argmax_including_ties():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g).to(torch.bfloat16)
+    logits[:, 7] = logits[:, 3] = logits.max() + 1  # an exact tie: the first index wins in both
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert (greedy_tokens(logits) == 3).all()
