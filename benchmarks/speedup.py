@@ -1,13 +1,14 @@
 """τ and wall-clock speedup of a drafter on MT-bench, greedy and temperature 1, one run.
 
     python benchmarks/speedup.py [--drafter DIR] [--limit 80] [--max-new-tokens 256]
-                                 [--tree 5,8,32 | --tree chain --k 4] [--temperatures 0,1] [--repeats 1]
+                                 [--tree 5,6,24 | --tree chain --k 4] [--temperatures 0,1] [--repeats 1]
 
 DIR is a native export (default: the hass-cpu-full recipe's, written by
 `draftsmith run recipes/smollm2-135m/hass-cpu-full.yaml`). Both arms use the same dtype.
-Drafts EAGLE-2 dynamic trees by default (`--tree chain` for chains of `--k`). One run means
-one pass of each arm over the prompts (`--repeats 1`): 80 prompts x 256 tokens already average
-~20k tokens per arm. Ends with `RESULT tau=... speedup=...` (and `tau_t1=... speedup_t1=...`
+Drafts EAGLE-2 dynamic trees by default, 5,6,24 (tied best with 4,4,12 in a 6-prompt sweep
+of chains and 5 shapes here; `--tree chain` for chains of `--k`). One run means one pass of
+each arm over the prompts (`--repeats 1`): 80 prompts x 256 tokens already average ~20k
+tokens per arm. Ends with `RESULT tau=... speedup=...` (and `tau_t1=... speedup_t1=...`
 when temperature 1 is run).
 """
 
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--tree", default="5,8,32", help="DEPTH,TOPK,TOKENS, or 'chain'")
+    ap.add_argument("--tree", default="5,6,24", help="DEPTH,TOPK,TOKENS, or 'chain'")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--policy", default="static")
     ap.add_argument("--dtype", default="bfloat16")
