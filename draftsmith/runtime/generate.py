@@ -31,11 +31,15 @@ class RoundStats:
     drafted: int
     accepted: int
     committed: int
-    tree_size: int
     depth: int  # deepest drafted position (= drafted for a chain)
     target_forwards: int
     drafter_forwards: int
     seconds: float
+
+    @property
+    def tree_size(self) -> int:
+        """Nodes verified this round: the tree's size, or the chain's length."""
+        return self.drafted
 
 
 @dataclass
@@ -187,7 +191,7 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
         policy.end_round(depth, len(accepted))
         result.tokens += new
         result.rounds.append(RoundStats(drafted=k, accepted=min(len(accepted), len(new) - 1 if new else 0),
-                                        committed=len(new), tree_size=k, depth=depth, target_forwards=1,
+                                        committed=len(new), depth=depth, target_forwards=1,
                                         drafter_forwards=proposer.forwards - drafter_before,
                                         seconds=time.perf_counter() - t0))
     result.seconds = time.perf_counter() - start

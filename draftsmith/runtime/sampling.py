@@ -43,7 +43,7 @@ def distributions(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tens
     logits = logits.float()
     raw = torch.softmax(logits, dim=-1)
     if cfg.greedy:
-        return raw, torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return raw, torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     scaled = logits / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
         kth = scaled.topk(cfg.top_k, dim=-1).values[..., -1:]

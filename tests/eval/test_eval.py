@@ -20,7 +20,7 @@ def test_prompt_sets():
 
 
 def test_acceptance_statistics_by_hand():
-    rounds = [RoundStats(3, 3, 4, 3, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 3, 1, 3, 0.1)]
+    rounds = [RoundStats(3, 3, 4, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 1, 3, 0.1)]
     stats = acceptance_stats([GenerationResult(tokens=[0] * 8, prompt_length=2, rounds=rounds)])
     assert stats["tau"] == pytest.approx((4 + 2 + 1) / 3) and stats["mean_accepted"] == pytest.approx(4 / 3)
     # position 0 reached 3 times, accepted twice; position 1 reached twice, accepted once; position 2 reached once
