@@ -75,9 +75,11 @@ class TargetRunner:
         self.cache = DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def forward(self, tokens: list[int], tree: DraftTree | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: list[int], tree: DraftTree | None = None,
+                last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Logits (n, V), final features (n, H) and fused aux (n, k*H) for n new tokens; with a
-        tree, tokens = [root, nodes...] under the tree mask at positions cached + depth."""
+        tree, tokens = [root, nodes...] under the tree mask at positions cached + depth. With
+        `last_logits` the head runs on the last row only (a prefill: logits (1, V))."""
         ids = torch.tensor([tokens], device=self.device)
         extra = {}
         if tree is not None:
@@ -91,7 +93,7 @@ class TargetRunner:
         final = out.last_hidden_state[0]
         hidden = captured.collect(out)
         aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
-        return self.head(final), final, aux
+        return self.head(final[-1:] if last_logits else final), final, aux
 
     def rollback(self, remove: int) -> None:
         if remove > 0:
@@ -162,7 +164,7 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
     start = time.perf_counter()
     runner.reset()
     proposer.reset()
-    logits, final, aux = runner.forward(prompt)  # prefill: (P, V), (P, H)
+    logits, final, aux = runner.forward(prompt, last_logits=True)  # prefill: (1, V), (P, H)
     _, p = distributions(logits[-1], sampling)
     first = int(p.argmax()) if sampling.greedy else int(sample(p, generator))
     result = GenerationResult(tokens=[first], prompt_length=len(prompt))
