@@ -2,11 +2,12 @@
 
 The SmolLM2 target and the standalone draft LM of recipes/smollm2-135m/standalone-cpu.yaml,
 greedy, fp32 (identity is an fp32 property: in bf16 near-ties can flip). Each side runs with
-its own default draft-length policy (ours: `draftsmith eval`'s static K=4; transformers: its
-assistant defaults, 20 tokens with an adaptive 0.4 confidence stop), then both with the same
-static K. Arms alternate; medians of the repeats.
+its own default draft-length policy (ours: `draftsmith eval`'s default policy; transformers: its
+assistant defaults, up to 20 tokens with a 0.4 confidence stop), then both with the same static
+K, and ours once more with transformers' default rule (runtime against runtime). A short
+warm-up per arm, then the arms alternate; medians of the repeats (one by default).
 
-    python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4]
+    python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4] [--repeats 1]
 
 DIR is a native export of the standalone drafter; by default the one `draftsmith run
 recipes/smollm2-135m/standalone-cpu.yaml` writes. Ends with `RESULT identical=... ratio=...`.
@@ -30,14 +31,15 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
+    from draftsmith.eval.evaluate import EvalConfig, policy_factory
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
-    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.policies import Confidence, Static
     from draftsmith.runtime.proposers import ModelProposer
 
     if not (Path(args.drafter) / "draftsmith.json").is_file():
@@ -52,13 +54,16 @@ def main() -> None:
     eos = tok.eos_token_id
     runner, proposer = TargetRunner(target.model), ModelProposer(draft, target.vocab_size)
 
-    def ours(policy_factory):
+    defaults = EvalConfig(target="")
+    default_policy = policy_factory(defaults)
+
+    def ours(new_policy, batch=prompts, max_new_tokens=args.max_new_tokens):
         outs, start = [], time.perf_counter()
-        for ids in prompts:
-            outs.append(generate(runner, proposer, ids, args.max_new_tokens, policy_factory(), eos_token_ids=(eos,)).tokens)
+        for ids in batch:
+            outs.append(generate(runner, proposer, ids, max_new_tokens, new_policy(), eos_token_ids=(eos,)).tokens)
         return outs, sum(map(len, outs)) / (time.perf_counter() - start)
 
-    def theirs(num_assistant_tokens=None):
+    def theirs(num_assistant_tokens=None, batch=prompts, max_new_tokens=args.max_new_tokens):
         outs, start = [], time.perf_counter()
         if num_assistant_tokens is None:  # unset: transformers fills in its own defaults
             draft.generation_config.num_assistant_tokens = None
@@ -68,16 +73,20 @@ def main() -> None:
             draft.generation_config.num_assistant_tokens = num_assistant_tokens
             draft.generation_config.num_assistant_tokens_schedule = "constant"
             draft.generation_config.assistant_confidence_threshold = 0.0
-        for ids in prompts:
-            out = target.model.generate(torch.tensor([ids]), assistant_model=draft, max_new_tokens=args.max_new_tokens,
+        for ids in batch:
+            out = target.model.generate(torch.tensor([ids]), assistant_model=draft, max_new_tokens=max_new_tokens,
                                         do_sample=False, eos_token_id=eos, pad_token_id=eos)
             outs.append(out[0, len(ids):].tolist())
         return outs, sum(map(len, outs)) / (time.perf_counter() - start)
 
-    arms = {"ours_default": lambda: ours(lambda: Static(4)), "hf_default": lambda: theirs(),
-            f"ours_static{args.k}": lambda: ours(lambda: Static(args.k)), f"hf_static{args.k}": lambda: theirs(args.k)}
-    for arm in arms.values():  # warm-up
-        arm()
+    arms = {"ours_default": lambda **kw: ours(default_policy, **kw),
+            "hf_default": lambda **kw: theirs(**kw),
+            f"ours_static{args.k}": lambda **kw: ours(lambda: Static(args.k), **kw),
+            f"hf_static{args.k}": lambda **kw: theirs(args.k, **kw),
+            # transformers' default rule in our runtime (stop below 0.4 confidence, at most 20): runtime against runtime
+            "ours_hf_rule": lambda **kw: ours(lambda: Confidence(0.4, 20), **kw)}
+    for arm in arms.values():  # warm-up: first calls allocate
+        arm(batch=prompts[:1], max_new_tokens=16)
     rates, outputs = {name: [] for name in arms}, {}
     for _ in range(args.repeats):
         for name, arm in arms.items():
@@ -88,8 +97,11 @@ def main() -> None:
     for name, r in rates.items():
         print(f"{name:>14}: {med[name]:6.1f} tok/s (spread {min(r):.1f}-{max(r):.1f})")
     ratio, ratio_static = med["ours_default"] / med["hf_default"], med[f"ours_static{args.k}"] / med[f"hf_static{args.k}"]
-    print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32; outputs identical: {identical}")
+    ratio_same_rule = med["ours_hf_rule"] / med["hf_default"]
+    print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32, our default policy "
+          f"{default_policy()}; outputs identical: {identical}")
     print(f"RESULT identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
+          f"ratio_same_rule={ratio_same_rule:.3f} "
           f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 
@@ -75,6 +75,16 @@ def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
     return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
 
 
+def policy_factory(cfg: EvalConfig) -> Callable[[], Any]:
+    """A fresh draft-length policy per generation, as --policy, --k and --threshold ask."""
+    from draftsmith.runtime.policies import make_policy
+
+    args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
+            "oracle": {"max_k": cfg.k}}.get(cfg.policy, {})
+    make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
+    return lambda: make_policy(cfg.policy, **args)
+
+
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -83,7 +93,6 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
-    from draftsmith.runtime.policies import make_policy
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
@@ -96,9 +105,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     config_eos = getattr(target.config, "eos_token_id", None)
     eos = tuple(sorted(i for i in {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
                        if i is not None))
-    policy_args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
-                   "oracle": {"max_k": cfg.k}}[cfg.policy]
-    new_policy = lambda: make_policy(cfg.policy, **policy_args)  # noqa: E731
+    new_policy = policy_factory(cfg)
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data)
 
     def encode(messages: list[dict[str, str]]) -> list[int]:

@@ -78,21 +78,24 @@ class DistillModule(pl.LightningModule):
         self.configure_model()
         checkpoint["state_dict"]["target_head.weight"] = self.target_head.weight
 
-    def _target_logits(self, batch: dict[str, Any]) -> torch.Tensor:
+    def _target_logits(self, batch: dict[str, Any], sel: torch.Tensor) -> torch.Tensor:
+        """The target's logits (N, V) at the N selected positions of sel (B, T)."""
         with torch.no_grad():
             if "final" in batch:
-                final = batch["final"].to(self.target_head.weight.dtype)
+                final = batch["final"]
             elif self._target is not None:
                 final, _ = self._target.features(batch["input_ids"], batch["attention_mask"].long())
             else:
                 raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
-            return self.target_head(final.to(self.target_head.weight.dtype))  # (B, T, V)
+            return self.target_head(final[:, :-1][sel].to(self.target_head.weight.dtype))
 
     def _step(self, batch: dict[str, Any], with_metrics: bool) -> torch.Tensor:
         valid = batch["attention_mask"].bool()
         sel = valid[:, :-1] & batch["loss_mask"].bool()[:, 1:] & valid[:, 1:]  # x_{t+1} is an assistant token
-        logits = self.student(input_ids=batch["input_ids"], attention_mask=valid.long()).logits[:, :-1][sel]  # (N, V)
-        target = self._target_logits(batch)[:, :-1][sel]
+        # both heads run on the loss positions only (a quarter of the rows are prompts here)
+        hidden = self.student.get_decoder()(input_ids=batch["input_ids"], attention_mask=valid.long()).last_hidden_state
+        logits = self.student.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
+        target = self._target_logits(batch, sel)
         loss = forward_kl(logits, target, sel.new_ones(len(logits)), self.hparams.kl_top_k)
         if with_metrics and len(logits):
             p, q = torch.softmax(target.float(), -1), torch.softmax(logits.float(), -1)
