@@ -27,6 +27,7 @@ class DistillModule(pl.LightningModule):
     Args:
         target: the target model (as for `draftsmith extract --target`).
         num_layers: decoder layers of the draft LM (copied from the target's first layers).
+        layer_ids: copy these target decoder layers instead (e.g. [0, 1, 2, 29]); sets the layer count.
         shape: a smaller configured shape (hidden_size, intermediate_size, heads...); layers start random.
         lora_rank: train LoRA adapters of this rank instead of all weights (None = full training).
         kl_top_k: restrict the target distribution to its top-K (None = full vocabulary).
@@ -39,7 +40,7 @@ class DistillModule(pl.LightningModule):
     """
 
     def __init__(self, target: str, num_layers: int = 4, shape: dict[str, int] | None = None,
-                 lora_rank: int | None = None, kl_top_k: int | None = None, chain_length: int = 4,
+                 layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None, chain_length: int = 4,
                  lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  target_dtype: str = "float32"):
         super().__init__()
@@ -58,7 +59,7 @@ class DistillModule(pl.LightningModule):
         self.identity = target.identity.as_dict()
         self.aux_layer_ids: list[int] = []
         self.target_head = frozen_linear(target.lm_head.weight.detach())
-        student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape)
+        student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape, self.hparams.layer_ids)
         self.student = add_lora(student, self.hparams.lora_rank) if self.hparams.lora_rank else student
         dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
         if dm is not None and getattr(dm, "online", False):
