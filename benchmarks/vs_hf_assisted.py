@@ -4,7 +4,8 @@ The SmolLM2 target and the standalone draft LM of recipes/smollm2-135m/standalon
 greedy, fp32 (identity is an fp32 property: in bf16 near-ties can flip). Each side runs with
 its own default draft-length policy (ours: `draftsmith eval`'s default policy; transformers: its
 assistant defaults, up to 20 tokens with a 0.4 confidence stop), then both with the same static
-K, and ours once more with transformers' default rule (runtime against runtime). A short
+K, ours once more with transformers' default rule (runtime against runtime), and the target
+alone (autoregressive, the speed any drafting has to beat; its output must match too). A short
 warm-up per arm, then the arms alternate; medians of the repeats (one by default).
 
     python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4] [--repeats 1]
@@ -40,7 +41,7 @@ def main() -> None:
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
     from draftsmith.runtime.policies import Confidence, Static
-    from draftsmith.runtime.proposers import ModelProposer
+    from draftsmith.runtime.proposers import ModelProposer, NoProposer
 
     if not (Path(args.drafter) / "draftsmith.json").is_file():
         raise SystemExit(f"no standalone drafter at {args.drafter}: run "
@@ -57,10 +58,10 @@ def main() -> None:
     defaults = EvalConfig(target="")
     default_policy = policy_factory(defaults)
 
-    def ours(new_policy, batch=prompts, max_new_tokens=args.max_new_tokens):
+    def ours(new_policy, batch=prompts, max_new_tokens=args.max_new_tokens, drafter=proposer):
         outs, start = [], time.perf_counter()
         for ids in batch:
-            outs.append(generate(runner, proposer, ids, max_new_tokens, new_policy(), eos_token_ids=(eos,)).tokens)
+            outs.append(generate(runner, drafter, ids, max_new_tokens, new_policy(), eos_token_ids=(eos,)).tokens)
         return outs, sum(map(len, outs)) / (time.perf_counter() - start)
 
     def theirs(num_assistant_tokens=None, batch=prompts, max_new_tokens=args.max_new_tokens):
@@ -84,7 +85,9 @@ def main() -> None:
             f"ours_static{args.k}": lambda **kw: ours(lambda: Static(args.k), **kw),
             f"hf_static{args.k}": lambda **kw: theirs(args.k, **kw),
             # transformers' default rule in our runtime (stop below 0.4 confidence, at most 20): runtime against runtime
-            "ours_hf_rule": lambda **kw: ours(lambda: Confidence(0.4, 20), **kw)}
+            "ours_hf_rule": lambda **kw: ours(lambda: Confidence(0.4, 20), **kw),
+            # the target alone (our runtime, nothing drafted): what any drafting has to beat
+            "autoregressive": lambda **kw: ours(lambda: Static(0), drafter=NoProposer(target.vocab_size), **kw)}
     for arm in arms.values():  # warm-up: first calls allocate
         arm(batch=prompts[:1], max_new_tokens=16)
     rates, outputs = {name: [] for name in arms}, {}
@@ -102,7 +105,7 @@ def main() -> None:
           f"{default_policy()}; outputs identical: {identical}")
     print(f"RESULT identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
           f"ratio_same_rule={ratio_same_rule:.3f} "
-          f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f}")
+          f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f} ar_tok_s={med['autoregressive']:.1f}")
 
 
 if __name__ == "__main__":
