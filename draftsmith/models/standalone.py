@@ -2,8 +2,9 @@
 
 Initialised from the target where shapes allow: its embeddings, its head, its final norm
 and `num_layers` of its decoder layers: the first ones, or the ids in `layer_ids` (e.g. a few
-early layers and the last, which already maps features to the head's space). With a configured smaller shape (hidden size,
-heads, intermediate size) the layers start random and only the vocabulary is shared.
+early layers and the last, which already maps features to the head's space). With a configured
+smaller shape (hidden size, heads, intermediate size) the layers start random and only the
+vocabulary is shared.
 Trainable fully or through LoRA adapters (peft). It is an ordinary transformers model, so
 `generate(assistant_model=...)` and every serving engine load it as they load the target.
 """
@@ -28,19 +29,18 @@ def build_standalone(target_model: Any, num_layers: int = 4, shape: dict[str, in
 
     config = copy.deepcopy(target_model.config)
     n_target = config.num_hidden_layers
+    ids = list(range(num_layers)) if layer_ids is None else [int(i) for i in layer_ids]  # target layers to copy
     if layer_ids is not None:
         if shape:
             raise DraftsmithError("layer_ids copies target layers; it cannot be combined with a smaller shape")
-        bad = [i for i in layer_ids if not 0 <= int(i) < n_target]
-        if not layer_ids or bad:
+        if not ids or not all(0 <= i < n_target for i in ids):
             raise DraftsmithError(f"layer_ids must be target decoder layers in 0..{n_target - 1}, got {layer_ids}")
-        num_layers = len(layer_ids)
+        num_layers = len(ids)
     elif not 1 <= num_layers <= n_target and not shape:
         raise DraftsmithError(f"num_layers must be in 1..{n_target} to copy target layers, got {num_layers}")
     bad = sorted(set(shape or {}) - set(SHAPE_KEYS))
     if bad:
         raise DraftsmithError(f"unknown shape keys {bad}; allowed: {list(SHAPE_KEYS)}")
-    ids = [int(i) for i in layer_ids] if layer_ids is not None else list(range(num_layers))
     config.num_hidden_layers = num_layers
     for key, value in (shape or {}).items():
         setattr(config, key, value)

@@ -40,7 +40,8 @@ class DistillModule(pl.LightningModule):
     """
 
     def __init__(self, target: str, num_layers: int = 4, shape: dict[str, int] | None = None,
-                 layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None, chain_length: int = 4,
+                 layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None,
+                 chain_length: int = 4,
                  lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  target_dtype: str = "float32"):
         super().__init__()
