@@ -122,7 +122,7 @@ def export(checkpoint: str, format: str = "native", out: str = "export", specula
 
 def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
          turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
-         top_k: int | None = None, top_p: float | None = None, policy: str = "static", k: int = 4,
+         top_k: int | None = None, top_p: float | None = None, policy: str = "cost", k: int = 4,
          threshold: float = 0.4, tree: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
          repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
     """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
@@ -140,8 +140,9 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
         temperature: 0 for greedy; otherwise sampling with top_k / top_p.
         top_k: top-k filtering (applied to target and drafter alike).
         top_p: nucleus filtering (applied to target and drafter alike).
-        policy: draft length: static, heuristic, confidence or oracle.
-        k: draft length (static), starting length (heuristic) or maximum (confidence, oracle).
+        policy: draft length: cost (draft a token only while it is expected to pay for its measured
+            cost), static, heuristic, confidence or oracle.
+        k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle).
         threshold: the confidence policy's threshold.
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy.
@@ -171,7 +172,7 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
 
 def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_tokens: int = 128,
-        temperature: float = 0.0, policy: str = "static", k: int = 4, tree: str | None = None,
+        temperature: float = 0.0, policy: str = "cost", k: int = 4, tree: str | None = None,
         dtype: str = "bfloat16", repeats: int = 3, out: str | None = None) -> None:
     """Run a recipe end to end: extract → fit → export → eval; each finished stage is skipped on a rerun.
 
@@ -185,7 +186,7 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
         limit: prompts to evaluate on (spread over categories).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 for greedy decoding.
-        policy: draft-length policy: static, heuristic, confidence or oracle.
+        policy: draft-length policy: cost, static, heuristic, confidence or oracle.
         k: draft length (or its maximum).
         tree: EAGLE-2 tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32); omit for chain drafts.
         dtype: dtype of target and drafter during evaluation.

@@ -22,7 +22,7 @@ class EvalConfig:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
-    policy: str = "static"
+    policy: str = "cost"
     k: int = 4
     threshold: float = 0.4
     tree: str | None = None  # DEPTH,TOPK,TOKENS: EAGLE-2 tree drafting instead of chains
@@ -76,11 +76,12 @@ def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
 
 
 def policy_factory(cfg: EvalConfig) -> Callable[[], Any]:
-    """A fresh draft-length policy per generation, as --policy, --k and --threshold ask."""
-    from draftsmith.runtime.policies import make_policy
+    """A fresh draft-length policy per generation, as --policy, --k and --threshold ask; the
+    cost-aware policies of one run share a meter, so later prompts start from what earlier ones measured."""
+    from draftsmith.runtime.policies import CostMeter, make_policy
 
     args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
-            "oracle": {"max_k": cfg.k}}.get(cfg.policy, {})
+            "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
     make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
     return lambda: make_policy(cfg.policy, **args)
 

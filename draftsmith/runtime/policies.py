@@ -7,7 +7,11 @@ heads (SpecDec++, DISCO) plug in as policies. `end_round` tells it what was acce
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -85,7 +89,122 @@ class Oracle:
         self.charged.append(min(drafted, accepted + 1))
 
 
-POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle}
+class CostMeter:
+    """What a drafted token costs and how often drafts are accepted, measured while decoding.
+
+    One meter serves every generation of a run (`policy_factory` shares it), so later prompts
+    start from what earlier ones measured. A round's time is modelled as R(K) = R0 + K·b: R0 a
+    round that drafts nothing (one target step and the bookkeeping), b what each drafted token
+    adds (a drafter forward and one more verification row). A drafted token costs c = b / R0
+    rounds. α̂ = accepted / reached over the drafted rounds: the acceptance rate of the drafted
+    tokens verification got to (a geometric fit). Medians and sums over the last `window`
+    rounds keep a drafter prefill or a busy neighbour from swinging either.
+    """
+
+    def __init__(self, window: int = 32):
+        self.plain: deque[float] = deque(maxlen=window)  # seconds of rounds that drafted nothing
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (K, seconds) after a drafted round
+        self.resumed: deque[tuple[int, float]] = deque(maxlen=window)  # (K, seconds) after a plain one
+        self.verified: deque[tuple[int, int]] = deque(maxlen=window)  # (accepted, reached)
+        self.since_plain = 0  # drafted rounds since the last timed plain round
+        self.probe_gap: int | None = None  # plain rounds between probes; None: the policy's `probe`
+
+    def add(self, drafted: int, accepted: int, seconds: float | None, after_plain: bool = False) -> None:
+        """One round: K drafted, n accepted, its wall time (None: untimed); `after_plain` when the
+        round before drafted nothing, so this one also fed the drafter the tokens it skipped."""
+        if drafted:
+            self.verified.append((accepted, min(drafted, accepted + 1)))
+        if seconds is None:
+            return
+        if drafted:
+            (self.resumed if after_plain else self.drafted).append((drafted, seconds))
+            self.since_plain += 1
+        else:
+            self.plain.append(seconds)
+            self.since_plain = 0
+
+    def cost(self) -> float | None:
+        """c = b / R0, or None until a plain and a drafted round have been timed. b comes from rounds
+        that follow a drafted round (steady drafting) where there are any: a round that resumes
+        after plain ones also pays the drafter's catch-up, once."""
+        rounds = self.drafted or self.resumed
+        if not self.plain or not rounds:
+            return None
+        r0 = statistics.median(self.plain)
+        return max(0.0, statistics.median((s - r0) / k for k, s in rounds)) / r0
+
+    def alpha(self) -> float | None:
+        reached = sum(r for _, r in self.verified)
+        return sum(a for a, _ in self.verified) / reached if reached else None
+
+
+@dataclass
+class CostAware:
+    """Draft a token only while it is expected to pay for itself.
+
+    A drafted token costs c rounds (measured by `meter`, or fixed by `cost`) and saves one round
+    if it and every token before it are accepted. Before the first token that chance is α̂, the
+    running acceptance rate; after j tokens it is α̂ · Π_{i≤j} q_i, q_i the drafter's top
+    probability for token i. The policy drafts while the chance is at least c, up to max_k; a
+    round where not even the first token pays is a plain target step, so a drafter too weak or
+    too slow for its target costs little against autoregressive decoding. After `probe` plain
+    rounds in a row one round drafts anyway, so α̂ keeps up with the text; while probes find no
+    pay the wait doubles, up to `max_probe` (the meter keeps it across prompts); with a measured cost,
+    rounds are plain until one is timed, and then one in every `refresh` drafted rounds, to time R0.
+    """
+
+    max_k: int = 8
+    cost: float | None = None
+    probe: int = 8
+    max_probe: int = 64
+    refresh: int = 32
+    meter: CostMeter = field(default_factory=CostMeter, repr=False)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    name: str = "cost"
+    chance: float = field(default=1.0, repr=False)  # Π q_i of this round's draft so far
+    plain_streak: int = field(default=0, repr=False)
+    _round_end: float | None = field(default=None, repr=False)  # when the previous round ended
+
+    def max_tokens(self) -> int:
+        return self.max_k
+
+    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+        if position == 0:
+            return self._draft_at_all()
+        cost, alpha = self._cost(), self.meter.alpha()
+        if position >= self.max_k or cost is None or alpha is None:  # still measuring: one token a round
+            return False
+        self.chance *= float(q_raw.max())
+        return alpha * self.chance >= cost
+
+    def _cost(self) -> float | None:
+        return self.cost if self.cost is not None else self.meter.cost()
+
+    def _draft_at_all(self) -> bool:
+        self.chance = 1.0
+        if self.cost is None and (not self.meter.plain or self.meter.since_plain >= self.refresh):
+            return False  # time a plain round: R0 drifts as the context grows
+        cost, alpha = self._cost(), self.meter.alpha()
+        if cost is None or alpha is None or alpha >= cost:
+            self.meter.probe_gap = None
+            return True
+        gap = self.meter.probe_gap or self.probe
+        if self.plain_streak < gap:
+            return False
+        self.meter.probe_gap = min(2 * gap, self.max_probe)  # each probe that finds no pay waits twice as long
+        return True
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        # rounds are timed end to end; a generation's first round (after the prefill, with the
+        # drafter's own prefill when it drafts) is left untimed
+        now = self.clock()
+        seconds = None if self._round_end is None else now - self._round_end
+        self.meter.add(drafted, accepted, seconds, after_plain=self.plain_streak > 0)
+        self._round_end = now
+        self.plain_streak = 0 if drafted else self.plain_streak + 1
+
+
+POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware}
 
 
 def make_policy(name: str, **kwargs) -> object:

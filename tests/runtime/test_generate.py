@@ -9,7 +9,7 @@ import torch
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import Confidence, Heuristic, Oracle, Static
+from draftsmith.runtime.policies import Confidence, CostAware, Heuristic, Oracle, Static
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions
 from tests.conftest import make_llama
@@ -30,7 +30,8 @@ def proposers(target):
 
 
 @pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "standalone", "self"])
-@pytest.mark.parametrize("policy", [lambda: Static(3), lambda: Heuristic(2), lambda: Confidence(0.05, 5)])
+@pytest.mark.parametrize("policy", [lambda: Static(3), lambda: Heuristic(2), lambda: Confidence(0.05, 5),
+                                    lambda: CostAware(5, cost=0.01)])
 def test_greedy_output_is_the_targets_own(target, kind, policy):
     proposer = proposers(target)[kind]
     runner = TargetRunner(target, proposer.aux_layer_ids)

@@ -1,0 +1,129 @@
+"""The cost-aware draft-length policy: its meter, its decisions, and what it does to real rounds."""
+
+import pytest
+import torch
+
+from draftsmith.eval.evaluate import EvalConfig, policy_factory
+from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.policies import CostAware, CostMeter
+from draftsmith.runtime.proposers import ModelProposer, NoProposer
+from tests.runtime.conftest import V
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def conf(p: float) -> torch.Tensor:
+    """A drafter distribution over V tokens whose top probability is p."""
+    q = torch.full((V,), (1 - p) / (V - 1))
+    q[0] = p
+    return q
+
+
+def play(policy: CostAware, clock: Clock, confidences: list[float], accepted: int, plain_s=0.010, per_token_s=0.003):
+    """One round as the runtime drives it: ask, 'draft' while told to, verify; returns K."""
+    k = 0
+    if policy.keep_going(0, None, None):
+        k = 1
+        while policy.keep_going(k, conf(confidences[k - 1]), None):
+            k += 1
+    clock.now += plain_s + per_token_s * k
+    policy.end_round(k, min(accepted, k))
+    return k
+
+
+def test_meter_fits_cost_per_token_and_acceptance():
+    meter = CostMeter(window=8)
+    assert meter.cost() is None and meter.alpha() is None
+    meter.add(0, 0, 0.010)
+    meter.add(2, 1, 0.016)  # 3 ms per drafted token over a 10 ms plain round
+    meter.add(4, 4, 0.022)
+    meter.add(1, 0, 0.900)  # a drafter prefill: one outlier, the median ignores it
+    assert meter.cost() == pytest.approx(0.3)
+    meter.add(1, 1, 0.030, after_plain=True)  # a round that resumes drafting pays a catch-up once
+    meter.add(1, 1, 0.030, after_plain=True)
+    assert meter.cost() == pytest.approx(0.3)  # ... and is left out of b while steady rounds exist
+    assert CostMeter().cost() is None
+    assert meter.alpha() == pytest.approx((1 + 4 + 0 + 1 + 1) / (2 + 4 + 1 + 1 + 1))  # accepted over reached
+
+
+def test_measures_first_then_drafts_while_a_token_pays():
+    clock = Clock()
+    meter = CostMeter()
+    policy = CostAware(max_k=6, meter=meter, clock=clock)
+    assert play(policy, clock, [], 0) == 0  # a generation's first round is not timed
+    assert play(policy, clock, [], 0) == 0  # plain steps until one has timed R0
+    assert play(policy, clock, [0.99] * 6, 1) == 1  # cost not known yet: one token
+    assert meter.cost() == pytest.approx(0.3)
+    for _ in range(3):
+        play(policy, clock, [0.99] * 6, 6)  # a drafter that is always right: α̂ → high
+    alpha = meter.alpha()
+    assert alpha > 0.8
+    # after the first token, continue while α̂ · Π q ≥ c = 0.3
+    k = play(policy, clock, [0.9, 0.8, 0.5, 0.9, 0.9, 0.9], 6)
+    chance, expected = 1.0, 1
+    for q in [0.9, 0.8, 0.5, 0.9, 0.9]:
+        chance *= q
+        if alpha * chance < 0.3:
+            break
+        expected += 1
+    assert k == expected < 6
+
+
+def test_a_drafter_that_does_not_pay_gets_plain_rounds_and_probes():
+    clock = Clock()
+    policy = CostAware(max_k=4, cost=0.3, probe=5, clock=clock)
+    ks = [play(policy, clock, [0.2] * 4, 0) for _ in range(40)]
+    assert ks[0] == 1  # α̂ unknown: draft to learn it
+    assert all(k == 0 for k in ks[1:6]) and ks[6] == 1  # then a probe after 5 plain rounds
+    assert all(k == 0 for k in ks[7:17]) and ks[17] == 1  # probes that find no pay wait twice as long
+    assert ks[38] == 1 and sum(ks) == 4  # then after 20
+
+
+def test_fixed_cost_skips_timing_and_refresh_times_plain_rounds():
+    clock = Clock()
+    fixed = CostAware(cost=0.1, clock=clock)
+    assert play(fixed, clock, [0.9] * 8, 8) >= 1  # a given cost needs no plain round first
+    meter = CostMeter()
+    measured = CostAware(meter=meter, refresh=3, clock=clock)
+    ks = [play(measured, clock, [0.99] * 8, 8) for _ in range(12)]
+    assert ks[:6] == [0, 0, 1, 8, 8, 0]  # R0 is timed first, then again every 3 drafted rounds
+    assert len(meter.plain) == ks.count(0) - 1  # the first round is left untimed
+
+
+def test_the_runtime_with_a_cost_aware_policy(target):
+    """Output stays the target's own; a useless drafter leaves mostly plain rounds; a perfect one drafts."""
+    from tests.runtime.conftest import greedy_cases
+
+    prompt, expected = next(greedy_cases(target))
+    meter = CostMeter()
+    for _ in range(2):
+        out = generate(TargetRunner(target), ModelProposer(target, V), prompt, 24, CostAware(max_k=4, meter=meter))
+        assert out.tokens == expected
+    assert meter.cost() is not None and meter.alpha() == 1.0
+
+    class Wrong(NoProposer):
+        def propose(self, sequence, policy, max_k, sampling, generator):
+            if max_k <= 0 or not policy.keep_going(0, None, None):
+                return [], torch.zeros(0, V), torch.zeros(0, V)
+            logits = target(torch.tensor([sequence])).logits[0, -1]
+            bad = (int(logits.argmax()) + 1) % V
+            q = torch.nn.functional.one_hot(torch.tensor([bad]), V).float()
+            return [bad], q, q
+
+    out = generate(TargetRunner(target), Wrong(V), prompt, 40, CostAware(max_k=4, cost=0.2, probe=4))
+    assert out.tokens == generate(TargetRunner(target), NoProposer(V), prompt, 40, CostAware()).tokens
+    drafted = [r.drafted for r in out.rounds]
+    assert sum(drafted) <= 1 + len(drafted) // 4 and drafted.count(0) > len(drafted) * 0.7
+
+
+def test_eval_default_is_cost_aware_with_one_meter_per_run():
+    new_policy = policy_factory(EvalConfig(target=""))
+    a, b = new_policy(), new_policy()
+    assert isinstance(a, CostAware) and a.max_k == 4 and a.meter is b.meter
+    assert policy_factory(EvalConfig(target=""))().meter is not a.meter
