@@ -41,7 +41,8 @@ def export_and_eval(ckpt, features, out, *args):
 
 
 def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
-    result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "4", "--repeats", "2", "--k", "3")
+    result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "4", "--repeats", "2",
+                                      "--policy", "static", "--k", "3")
     acc = results["acceptance"]
     assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) == 3 and acc["tokens"] > 0
     assert results["speed"]["repeats"] == 2 and results["speed"]["speedup"] > 0
