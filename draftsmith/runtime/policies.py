@@ -149,8 +149,8 @@ class CostAware:
     round where not even the first token pays is a plain target step, so a drafter too weak or
     too slow for its target costs little against autoregressive decoding. After `probe` plain
     rounds in a row one round drafts anyway, so α̂ keeps up with the text; while probes find no
-    pay the wait doubles, up to `max_probe` (the meter keeps it across prompts); with a measured cost,
-    rounds are plain until one is timed, and then one in every `refresh` drafted rounds, to time R0.
+    pay the wait doubles, up to `max_probe` (the meter keeps it across prompts). With a measured
+    cost, rounds are plain until one is timed, then one in every `refresh` drafted rounds, to time R0.
     """
 
     max_k: int = 8
@@ -163,6 +163,7 @@ class CostAware:
     name: str = "cost"
     chance: float = field(default=1.0, repr=False)  # Π q_i of this round's draft so far
     plain_streak: int = field(default=0, repr=False)
+    _pay: tuple[float | None, float | None] = field(default=(None, None), repr=False)  # (c, α̂) this round
     _round_end: float | None = field(default=None, repr=False)  # when the previous round ended
 
     def max_tokens(self) -> int:
@@ -171,20 +172,17 @@ class CostAware:
     def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
         if position == 0:
             return self._draft_at_all()
-        cost, alpha = self._cost(), self.meter.alpha()
+        cost, alpha = self._pay  # the meter changes only between rounds
         if position >= self.max_k or cost is None or alpha is None:  # still measuring: one token a round
             return False
         self.chance *= float(q_raw.max())
         return alpha * self.chance >= cost
 
-    def _cost(self) -> float | None:
-        return self.cost if self.cost is not None else self.meter.cost()
-
     def _draft_at_all(self) -> bool:
         self.chance = 1.0
         if self.cost is None and (not self.meter.plain or self.meter.since_plain >= self.refresh):
             return False  # time a plain round: R0 drifts as the context grows
-        cost, alpha = self._cost(), self.meter.alpha()
+        self._pay = cost, alpha = (self.cost if self.cost is not None else self.meter.cost()), self.meter.alpha()
         if cost is None or alpha is None or alpha >= cost:
             self.meter.probe_gap = None
             return True
