@@ -20,15 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_and_score(recipe: str, steps: int, chain: int, out: Path) -> dict[str, float]:
+def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: tuple[str, ...] = ()) -> dict[str, float]:
     from draftsmith.cli import lightning_cli
     from draftsmith.train.metrics import DraftAcceptance
 
     cli = lightning_cli(["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps),
                          "--trainer.default_root_dir", str(out), "--trainer.logger", "false",
                          "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-                         "--trainer.val_check_interval", str(steps), "--trainer.enable_progress_bar", "false"],
-                        run=False)
+                         "--trainer.val_check_interval", str(steps), "--trainer.enable_progress_bar", "false",
+                         *overrides], run=False)
     start = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
     seconds = time.perf_counter() - start

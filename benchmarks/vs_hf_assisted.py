@@ -2,11 +2,12 @@
 
 The SmolLM2 target and the standalone draft LM of recipes/smollm2-135m/standalone-cpu.yaml,
 greedy, fp32 (identity is an fp32 property: in bf16 near-ties can flip). Each side runs with
-its own default draft-length policy (ours: `draftsmith eval`'s default policy; transformers: its
-assistant defaults, up to 20 tokens with a 0.4 confidence stop), then both with the same static
-K, ours once more with transformers' default rule (runtime against runtime), and the target
-alone (autoregressive, the speed any drafting has to beat; its output must match too). A short
-warm-up per arm, then the arms alternate; medians of the repeats (one by default).
+its own defaults (ours: `draftsmith eval`'s draft-length policy, and the drafter's head run over
+its 8192 most frequent training tokens; transformers: up to 20 assistant tokens with a 0.4
+confidence stop), then both with the same static K, ours with transformers' default rule
+(runtime against runtime) and with the full head, and the target alone (autoregressive, the
+speed any drafting has to beat; its output must match too). A short warm-up per arm, then the
+arms alternate; medians of the repeats (one by default).
 
     python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4] [--repeats 1]
 
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.eval.evaluate import EvalConfig, policy_factory
+    from draftsmith.eval.evaluate import EvalConfig, policy_factory, standalone_head_ids
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
@@ -53,10 +54,12 @@ def main() -> None:
                                             tokenize=True, return_dict=True)["input_ids"])
                for p in load_prompts("mtbench", args.limit)]
     eos = tok.eos_token_id
-    runner, proposer = TargetRunner(target.model), ModelProposer(draft, target.vocab_size)
-
     defaults = EvalConfig(target="")
     default_policy = policy_factory(defaults)
+    # our default: the drafter's head over its training data's most frequent tokens (same weights, same model)
+    head_ids = standalone_head_ids(Path(args.drafter), target, defaults.head_vocab)
+    runner, proposer = TargetRunner(target.model), ModelProposer(draft, target.vocab_size, head_ids)
+    full_head = ModelProposer(draft, target.vocab_size)
 
     def ours(new_policy, batch=prompts, max_new_tokens=args.max_new_tokens, drafter=proposer):
         outs, start = [], time.perf_counter()
@@ -86,6 +89,8 @@ def main() -> None:
             f"hf_static{args.k}": lambda **kw: theirs(args.k, **kw),
             # transformers' default rule in our runtime (stop below 0.4 confidence, at most 20): runtime against runtime
             "ours_hf_rule": lambda **kw: ours(lambda: Confidence(0.4, 20), **kw),
+            # our default policy with the drafter's full head: what the frequency-ranked head adds
+            "ours_full_head": lambda **kw: ours(policy_factory(defaults), drafter=full_head, **kw),
             # the target alone (our runtime, nothing drafted): what any drafting has to beat
             "autoregressive": lambda **kw: ours(lambda: Static(0), drafter=NoProposer(target.vocab_size), **kw)}
     for arm in arms.values():  # warm-up: first calls allocate
@@ -101,10 +106,11 @@ def main() -> None:
         print(f"{name:>14}: {med[name]:6.1f} tok/s (spread {min(r):.1f}-{max(r):.1f})")
     ratio, ratio_static = med["ours_default"] / med["hf_default"], med[f"ours_static{args.k}"] / med[f"hf_static{args.k}"]
     ratio_same_rule = med["ours_hf_rule"] / med["hf_default"]
+    head = f"{len(head_ids)}-token head" if head_ids is not None else "full head (the export has no token counts)"
     print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32, our default policy "
-          f"{default_policy()}; outputs identical: {identical}")
+          f"{default_policy()}, drafter {head}; outputs identical: {identical}")
     print(f"RESULT identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
-          f"ratio_same_rule={ratio_same_rule:.3f} "
+          f"ratio_same_rule={ratio_same_rule:.3f} ratio_full_head={med['ours_full_head'] / med['hf_default']:.3f} "
           f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f} ar_tok_s={med['autoregressive']:.1f}")
 
 

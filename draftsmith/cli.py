@@ -123,8 +123,8 @@ def export(checkpoint: str, format: str = "native", out: str = "export", specula
 def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
          turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
          top_k: int | None = None, top_p: float | None = None, policy: str = "cost", k: int = 4,
-         threshold: float = 0.4, tree: str | None = None, dtype: str = "bfloat16", device: str = "cpu",
-         repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
+         threshold: float = 0.4, tree: str | None = None, head_vocab: int = 8192, dtype: str = "bfloat16",
+         device: str = "cpu", repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
     """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
 
     Writes OUT/results.json and PNG plots, and prints a table per category.
@@ -146,6 +146,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
         threshold: the confidence policy's threshold.
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy.
+        head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
+            head computed over those rows only (exports carry the counts); 0 = the full head.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -159,8 +161,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
     cfg = EvalConfig(target=target, drafter=drafter, prompts=prompts, limit=limit, turns=turns, data=data,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, policy=policy,
-                     k=k, threshold=threshold, tree=tree, dtype=dtype, device=device, repeats=repeats, seed=seed,
-                     out=out)
+                     k=k, threshold=threshold, tree=tree, head_vocab=head_vocab, dtype=dtype, device=device,
+                     repeats=repeats, seed=seed, out=out)
     results = evaluate(cfg)
     from pathlib import Path
 

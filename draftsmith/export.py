@@ -27,6 +27,7 @@ from draftsmith import DraftsmithError
 
 FORMATS = ("native", "eagle", "eagle3", "speculators")
 NATIVE_FORMAT = "draftsmith-drafter/1"
+TOKEN_COUNTS = "token_counts.safetensors"  # a standalone export's assistant-token counts (V,) int64
 
 
 # --- loading a trained module ------------------------------------------------------------------------
@@ -244,6 +245,11 @@ def write_native(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[
         student = module.student.merge_and_unload() if hasattr(module.student, "merge_and_unload") else module.student
         student.save_pretrained(out)
         module.student = student
+        if getattr(module, "token_counts", None) is not None:  # for the runtime's frequency-ranked head
+            from safetensors.torch import save_file
+
+            save_file({"token_counts": module.token_counts.long().contiguous()}, str(out / TOKEN_COUNTS))
+            config["token_counts"] = TOKEN_COUNTS
         (out / "draftsmith.json").write_text(json.dumps(config, indent=2) + "\n")
         return [str(out)]
     frozen = ("embed_tokens.weight",) + (("lm_head.weight",) if config["kind"] == "eagle" else ())

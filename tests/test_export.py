@@ -115,5 +115,20 @@ def test_standalone_distill_and_native_export(tiny_features, tmp_path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 1 and json.loads((out / "draftsmith.json").read_text())["kind"] == "standalone"
+    # the training split's assistant-token counts travel with the export: the runtime's ranked head reads them
+    from draftsmith.data.modules import FeatureDataModule
+    from draftsmith.eval.evaluate import load_proposer
+    from draftsmith.export import TOKEN_COUNTS
+
+    dm = FeatureDataModule(str(tiny_features / "features"), max_tokens=300, val_fraction=0.2)
+    dm.setup("fit")
+    counts = load_file(str(out / TOKEN_COUNTS))["token_counts"]
+    assert torch.equal(counts, dm.token_counts(model.config.vocab_size)) and counts.sum() > 0
+    target = load_target(str(tiny_features / "target"), dtype="float32")
+    proposer, what = load_proposer(str(out), target, head_vocab=12)
+    assert len(proposer.head_ids) == 12 and "12-token head" in what
+    top = set(torch.argsort(-counts.double(), stable=True)[:10].tolist())
+    assert top <= set(proposer.head_ids.tolist()) and target.tokenizer.eos_token_id in proposer.head_ids.tolist()
+    assert load_proposer(str(out), target, head_vocab=0)[0].head_ids is None
     with pytest.raises(DraftsmithError, match="exports as `native`"):
         export(str(tmp_path / "run" / "ckpt" / "last.ckpt"), "eagle", str(tmp_path / "x"))

@@ -26,6 +26,7 @@ class EvalConfig:
     k: int = 4
     threshold: float = 0.4
     tree: str | None = None  # DEPTH,TOPK,TOKENS: EAGLE-2 tree drafting instead of chains
+    head_vocab: int = 8192  # a standalone drafter's head over its most frequent training tokens; 0 = full
     dtype: str = "bfloat16"
     device: str = "cpu"
     repeats: int = 3
@@ -35,6 +36,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise DraftsmithError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.head_vocab < 0:
+            raise DraftsmithError(f"--head_vocab must be >= 0 (0: the full head), got {self.head_vocab}")
         if self.turns not in ("first", "both"):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
         if self.tree in ("", "none", "chain"):
@@ -54,8 +57,12 @@ class EvalConfig:
         return TreeShape(depth, topk, total)
 
 
-def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
-    """(proposer, description) for a native export directory, or plain decoding for None."""
+def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tuple[Any, str]:
+    """(proposer, description) for a native export directory, or plain decoding for None.
+
+    head_vocab > 0: a standalone drafter exported with its training data's token counts drafts
+    among its `head_vocab` most frequent tokens (its head runs over those rows only).
+    """
     from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
 
     if drafter in (None, "none"):
@@ -65,7 +72,9 @@ def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
-        return ModelProposer(model, target.vocab_size), f"standalone ({path.name})"
+        head_ids = standalone_head_ids(path, target, head_vocab)
+        what = f"standalone ({path.name}" + (f", {len(head_ids)}-token head)" if head_ids is not None else ")")
+        return ModelProposer(model, target.vocab_size, head_ids), what
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
     from draftsmith.export import load_native
@@ -73,6 +82,25 @@ def load_proposer(drafter: str | None, target: Any) -> tuple[Any, str]:
     config = json.loads((path / "config.json").read_text())
     drafter_module = load_native(path, target).to(device=target.device, dtype=target.dtype)  # int buffers stay int
     return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
+
+
+def standalone_head_ids(path: Path, target: Any, head_vocab: int) -> Any:
+    """The `head_vocab` most frequent assistant tokens of a standalone export's training data (EOS
+    and PAD always in), or None for the full head: head_vocab 0 or ≥ V, or an export without counts."""
+    from draftsmith.export import TOKEN_COUNTS
+    from draftsmith.models.eagle3 import draft_vocab
+
+    if not head_vocab or head_vocab >= target.vocab_size or not (path / TOKEN_COUNTS).is_file():
+        return None
+    from safetensors.torch import load_file
+
+    counts = load_file(str(path / TOKEN_COUNTS))["token_counts"]
+    if len(counts) != target.vocab_size:
+        raise DraftsmithError(f"{path / TOKEN_COUNTS}: {len(counts)} token counts for a target vocabulary of "
+                              f"{target.vocab_size}; re-export the drafter trained for this target")
+    tok = target.tokenizer
+    specials = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
+    return draft_vocab(counts, head_vocab, always=specials)
 
 
 def policy_factory(cfg: EvalConfig) -> Callable[[], Any]:
@@ -100,7 +128,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    proposer, description = load_proposer(cfg.drafter, target)
+    proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     tok = target.tokenizer
     config_eos = getattr(target.config, "eos_token_id", None)

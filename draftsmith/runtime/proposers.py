@@ -156,18 +156,31 @@ class FeatureProposer:
 
 
 class ModelProposer:
-    """A standalone draft LM (any transformers causal LM on the target's tokenizer)."""
+    """A standalone draft LM (any transformers causal LM on the target's tokenizer).
+
+    `head_ids` (a frequency-ranked head, as FR-Spec does): the drafter's head runs over these
+    target ids only and drafts among them (q is zero elsewhere, so verification stays exact).
+    On a small drafter the full head is a large share of a drafted token's cost (49k rows
+    against a few layers). Only for models whose logits are a plain linear head of the
+    decoder's last hidden state: that is checked once here.
+    """
 
     needs_features = False
     aux_layer_ids: list[int] = []
 
-    def __init__(self, model: Any, vocab_size: int):
+    def __init__(self, model: Any, vocab_size: int, head_ids: torch.Tensor | None = None):
         self.model = model.eval()
         self.vocab_size = vocab_size
         # the catch-up feed of a round needs only its last row's logits (a 49k head is ~5 ms a row in fp32 here)
         accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_row = {"logits_to_keep": 1} if accepts else {}
+        self.head_ids, self.head = None, None
+        if head_ids is not None and len(head_ids) < vocab_size:
+            self.head_ids, self.head = head_ids.long().to(self._device()), _ranked_head(model, head_ids)
         self.reset()
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -179,6 +192,20 @@ class ModelProposer:
 
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
+
+    def _next_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Feed tokens after the cache; the logits (V, or len(head_ids)) at the last of them."""
+        feed = torch.tensor([tokens], device=self._device())
+        self.forwards += 1
+        if self.head is None:
+            return self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, **self.last_row).logits[0, -1]
+        hidden = self.model.get_decoder()(input_ids=feed, past_key_values=self.cache, use_cache=True).last_hidden_state
+        return self.head(hidden[0, -1])
+
+    def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.head_ids is None:
+            return probs
+        return torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy(0, self.head_ids, probs)
 
     @torch.no_grad()
     def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
@@ -194,22 +221,42 @@ class ModelProposer:
         self.cached, self.fed = list(sequence[: start + keep]), []
         if max_k <= 0 or not policy.keep_going(0, None, None):
             return _empty(self.vocab_size)
-        device = next(self.model.parameters()).device
-        feed = torch.tensor([sequence[len(self.cached):]], device=device)
-        logits = self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, **self.last_row).logits[0, -1]
-        self.forwards += 1
+        logits = self._next_logits(sequence[len(self.cached):])
         self.cached = list(sequence)
         tokens, scaled, raw = [], [], []
         while True:
             r, s = distributions(logits, sampling)
+            r, s = self._to_target(r), self._to_target(s)
             x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
             tokens.append(x)
             scaled.append(s)
             raw.append(r)
             if len(tokens) >= max_k or not policy.keep_going(len(tokens), r, None):
                 break
-            logits = self.model(input_ids=torch.tensor([[x]], device=device), past_key_values=self.cache,
-                                use_cache=True).logits[0, -1]
+            logits = self._next_logits([x])
             self.fed.append(x)
-            self.forwards += 1
         return tokens, torch.stack(scaled), torch.stack(raw)
+
+
+def _ranked_head(model: Any, head_ids: torch.Tensor) -> torch.nn.Linear:
+    """The rows `head_ids` of the model's output head, after checking that the model's logits
+    are exactly that head applied to its decoder's last hidden state (no soft-capping or scaling)."""
+    from draftsmith import DraftsmithError
+
+    full = model.get_output_embeddings()
+    if not isinstance(full, torch.nn.Linear) or not hasattr(model, "get_decoder"):
+        raise DraftsmithError(f"{type(model).__name__}: a frequency-ranked head needs a linear output head and a decoder")
+    device = full.weight.device
+    ids = head_ids.long().to(device)
+    head = torch.nn.Linear(full.in_features, len(ids), bias=full.bias is not None, device=device, dtype=full.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(full.weight[ids])
+        if full.bias is not None:
+            head.bias.copy_(full.bias[ids])
+        probe = torch.arange(min(8, model.config.vocab_size), device=device)[None]
+        expected = model(input_ids=probe).logits[0, :, ids]
+        got = head(model.get_decoder()(input_ids=probe).last_hidden_state[0])
+    if not torch.allclose(expected.float(), got.float(), rtol=1e-3, atol=1e-3):
+        raise DraftsmithError(f"{type(model).__name__}: its logits are not a plain linear head of the decoder's "
+                              "output (soft-capping or scaling?); run it with the full head (head_vocab 0)")
+    return head.eval()

@@ -49,6 +49,7 @@ class DistillModule(pl.LightningModule):
         self.student = None
         self.val_metric = DraftAcceptance(1)
         self._target = None
+        self.token_counts: torch.Tensor | None = None  # assistant-token counts of the training data (V,)
 
     def configure_model(self) -> None:
         if self.student is not None:
@@ -71,13 +72,19 @@ class DistillModule(pl.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "check_compatible"):
             dm.check_compatible(self.identity, [])
+        if stage == "fit" and self.token_counts is None and hasattr(dm, "token_counts"):
+            # kept with the checkpoint and the export: the runtime's frequency-ranked head reads them
+            self.token_counts = dm.token_counts(self.target_head.weight.shape[0])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"].pop("target_head.weight", None)
         checkpoint["draftsmith"] = {"target_identity": self.identity, "kind": "standalone"}
+        if self.token_counts is not None:
+            checkpoint["draftsmith"]["token_counts"] = self.token_counts
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
+        self.token_counts = checkpoint.get("draftsmith", {}).get("token_counts")
         checkpoint["state_dict"]["target_head.weight"] = self.target_head.weight
 
     def _target_logits(self, batch: dict[str, Any], sel: torch.Tensor) -> torch.Tensor:

@@ -38,16 +38,19 @@ def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
 
 
 def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor,
-                      steps: int) -> list[torch.Tensor]:
+                      steps: int, detach: bool = False) -> list[torch.Tensor]:
     """The drafter's hidden output at every anchor for steps 0..steps-1, each (B, T, H).
 
     ids (B, T+1) tokens, feature (B, T, H) step-0 features at anchors 0..T-1, anchors (B, T)
-    real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs.
+    real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs;
+    `detach`: read them as constants, so a later step's loss does not reach back through them.
     """
     t = feature.shape[1]
     positions = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], t)
     cache, hiddens = KVBuffer(), []
     for j in range(steps):
+        if detach and j > 0:
+            feature = feature.detach()
         feature = drafter(shift(ids, j, t), feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
         hiddens.append(feature)
     return hiddens
@@ -64,6 +67,8 @@ class DrafterModule(pl.LightningModule):
         draft_vocab_size: EAGLE-3 draft vocabulary Vd (the most frequent assistant tokens); None = full.
         alignment_steps: n, the steps of context alignment / training-time test (1 = plain EAGLE).
         step_weight_decay: w_j = decay^j for step j.
+        detach_steps: step j reads the drafter's step j-1 features as constants (as the HASS reference
+            code does): each step's loss trains the drafter at that step, not the features it fed.
         feature_weight: weight of the smooth-L1 feature regression (EAGLE only).
         ce_weight: weight of the soft cross-entropy against the target distribution.
         topk_weight: weight of HASS's Top-K distillation loss.
@@ -80,7 +85,8 @@ class DrafterModule(pl.LightningModule):
 
     def __init__(self, target: str, kind: Literal["eagle", "eagle3"] = "eagle", aux_layer_ids: list[int] | None = None,
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
-                 feature_weight: float = 1.0, ce_weight: float = 0.1, topk_weight: float = 0.0, topk: int = 10,
+                 detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
+                 topk_weight: float = 0.0, topk: int = 10,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32"):
@@ -226,7 +232,7 @@ class DrafterModule(pl.LightningModule):
         if self.training and h.kind == "eagle":
             feature = uniform_noise(feature, h.feature_noise)
         weights = step_weights(h.alignment_steps, h.step_weight_decay)
-        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, h.alignment_steps)
+        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, h.alignment_steps, h.detach_steps)
         total, parts = 0.0, {}
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)

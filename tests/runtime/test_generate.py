@@ -26,10 +26,11 @@ def proposers(target):
         "eagle3": FeatureProposer(Eagle3Drafter(target.config, embed, head, None, torch.arange(0, V, 3), 3, 32), V, [0, 1, 2]),
         "standalone": ModelProposer(make_llama(V, seed=2, hidden=16, layers=1), V),
         "self": ModelProposer(target, V),
+        "self-ranked": ModelProposer(target, V, head_ids=torch.arange(0, V, 2)),  # drafts even ids only
     }
 
 
-@pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "standalone", "self"])
+@pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "standalone", "self", "self-ranked"])
 @pytest.mark.parametrize("policy", [lambda: Static(3), lambda: Heuristic(2), lambda: Confidence(0.05, 5),
                                     lambda: CostAware(5, cost=0.01)])
 def test_greedy_output_is_the_targets_own(target, kind, policy):
@@ -112,17 +113,19 @@ def exact_law(model, prompt, length, cfg):
     return law
 
 
-@pytest.mark.parametrize("cfg, k", [
-                                    (SamplingConfig(temperature=0.7, top_k=3), 3),
-                                    (SamplingConfig(temperature=1.3, top_p=0.8), 1)])
-def test_multi_step_sampling_is_lossless(cfg, k):
+@pytest.mark.parametrize("cfg, k, head_ids", [
+                                    (SamplingConfig(temperature=0.7, top_k=3), 3, None),
+                                    (SamplingConfig(temperature=1.3, top_p=0.8), 1, None),
+                                    (SamplingConfig(temperature=1.0), 2, [0, 2, 3])])  # a frequency-ranked head
+def test_multi_step_sampling_is_lossless(cfg, k, head_ids):
     tv, length, n = 4, 3, 2000
     target = make_llama(tv, seed=3, hidden=16, layers=1)
     draft = make_llama(tv, seed=4, hidden=16, layers=1)
     prompt = [1, 2]
     law = exact_law(target, prompt, length, cfg)
     g = torch.Generator().manual_seed(0)
-    runner, proposer = TargetRunner(target), ModelProposer(draft, tv)
+    runner = TargetRunner(target)
+    proposer = ModelProposer(draft, tv, None if head_ids is None else torch.tensor(head_ids))
     counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(k), cfg, generator=g).tokens)
                      for _ in range(n))
     cells = [s for s in law if law[s] > 0]
@@ -132,6 +135,31 @@ def test_multi_step_sampling_is_lossless(cfg, k):
     assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)  # ~ the 0.1% tail of chi-square(df)
     tv_dist = 0.5 * sum(abs(counts.get(s, 0) / n - law[s]) for s in law)
     assert tv_dist < 5 * 0.5 * sum((law[s] * (1 - law[s]) / n) ** 0.5 for s in law)
+
+
+def test_a_ranked_head_drafts_only_its_tokens_with_the_full_models_logits(target):
+    ids = torch.tensor([3, 8, 11, 20, 21, 40])
+    ranked, full = ModelProposer(target, V, head_ids=ids), ModelProposer(target, V)
+    prompt = [5, 9, 2, 7]
+    for cfg in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        ranked.reset()
+        tokens, scaled, raw = ranked.propose(prompt, Static(3), 3, cfg, torch.Generator().manual_seed(0))
+        assert set(tokens) <= set(ids.tolist())
+        assert float(raw[:, ids].sum(-1).min()) == pytest.approx(1.0) and float(raw.sum(-1).max()) == pytest.approx(1.0)
+    ranked.reset()
+    _, _, raw = ranked.propose(prompt, Static(1), 1, SamplingConfig(), None)
+    _, _, raw_full = full.propose(prompt, Static(1), 1, SamplingConfig(), None)
+    assert torch.allclose(raw[0, ids], torch.softmax(torch.log(raw_full[0, ids]), -1), atol=1e-5)  # the same logits, renormalised
+
+
+def test_a_ranked_head_refuses_a_model_whose_logits_are_not_a_plain_head(target):
+    from draftsmith import DraftsmithError
+
+    scaled = make_llama(V, seed=5, hidden=16, layers=1)
+    plain_forward = scaled.forward
+    scaled.forward = lambda *a, **kw: type(out := plain_forward(*a, **kw))(logits=out.logits / 4)  # as Granite's scaling
+    with pytest.raises(DraftsmithError, match="not a plain linear head"):
+        ModelProposer(scaled, V, head_ids=torch.arange(10))
 
 
 def test_oracle_is_charged_up_to_the_first_rejection(target):

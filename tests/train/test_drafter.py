@@ -70,6 +70,27 @@ def test_alignment_step_j_equals_decoding_with_its_own_features(kind):
     assert not torch.allclose(hiddens[1], hiddens[0], atol=1e-3)
 
 
+def test_detached_steps_read_their_inputs_as_constants():
+    """detach_steps: a later step's loss trains the drafter at that step only (the same values)."""
+    drafter = tiny_drafter("eagle")
+    ids, final = torch.randint(0, V, (1, 9)), torch.randn(1, 9, H)
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    grads = {}
+    for detach in (False, True):
+        feature = drafter.project(final[:, :-1], None)
+        hiddens = alignment_hiddens(drafter, ids, feature, valid, 2, detach=detach)
+        hiddens[0].retain_grad()
+        hiddens[1].sum().backward()
+        grads[detach] = hiddens[0].grad
+        drafter.zero_grad()
+    assert grads[False] is not None and grads[False].abs().sum() > 0
+    assert grads[True] is None  # nothing flowed back into step 0's output
+    with torch.no_grad():
+        plain = alignment_hiddens(drafter, ids, drafter.project(final[:, :-1], None), valid, 2)
+        detached = alignment_hiddens(drafter, ids, drafter.project(final[:, :-1], None), valid, 2, detach=True)
+    torch.testing.assert_close(plain[1], detached[1])
+
+
 def test_eagle3_vocab_mapping():
     drafter = tiny_drafter("eagle3")
     assert drafter.vocab_size == 25 and drafter.t2d.sum() == 25
