@@ -25,6 +25,13 @@ def _empty(v: int) -> Draft:
     return [], torch.zeros(0, v), torch.zeros(0, v)
 
 
+def _in_target_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A distribution over the target ids `ids` (None: already the full vocabulary) as (V,), zero elsewhere."""
+    if ids is None:
+        return probs
+    return torch.zeros(vocab_size, dtype=probs.dtype, device=probs.device).index_copy(0, ids, probs)
+
+
 class NoProposer:
     """Plain autoregressive decoding: nothing is drafted."""
 
@@ -83,10 +90,7 @@ class FeatureProposer:
         self.forwards += 1
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.to_target is None:
-            return probs
-        full = torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device)
-        return full.index_copy(0, self.to_target, probs)
+        return _in_target_vocab(probs, self.to_target, self.vocab_size)
 
     @torch.no_grad()
     def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
@@ -203,9 +207,7 @@ class ModelProposer:
         return self.head(hidden[0, -1])
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.head_ids is None:
-            return probs
-        return torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy(0, self.head_ids, probs)
+        return _in_target_vocab(probs, self.head_ids, self.vocab_size)
 
     @torch.no_grad()
     def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
