@@ -44,8 +44,9 @@ def build_standalone(target_model: Any, num_layers: int = 4, shape: dict[str, in
     config.num_hidden_layers = num_layers
     for key, value in (shape or {}).items():
         setattr(config, key, value)
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in ids] if not shape else config.layer_types[:num_layers]
+    types = getattr(config, "layer_types", None)
+    if types:  # each layer keeps its target layer's type; a deeper configured shape repeats the pattern
+        config.layer_types = [types[i % len(types)] for i in (ids if layer_ids is not None else range(num_layers))]
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config._attn_implementation = "sdpa"

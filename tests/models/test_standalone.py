@@ -30,3 +30,19 @@ def test_rejects_bad_layer_ids():
         build_standalone(target, layer_ids=[0, 4])
     with pytest.raises(DraftsmithError, match="cannot be combined"):
         build_standalone(target, layer_ids=[0], shape={"hidden_size": 8})
+
+
+def test_layer_types_follow_the_copied_layers_and_extend_for_a_deeper_shape():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)  # Qwen2 with a sliding window: layer 0 full attention, layer 1 sliding
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=50, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    target = Qwen2ForCausalLM(cfg).eval()
+    types = target.config.layer_types
+    assert len(set(types)) == 2
+    assert build_standalone(target, layer_ids=[1, 0]).config.layer_types == [types[1], types[0]]
+    deep = build_standalone(target, num_layers=3, shape={"hidden_size": 16, "intermediate_size": 32,
+                                                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8})
+    assert deep.config.layer_types == [types[0], types[1], types[0]] and len(deep.model.layers) == 3
+    assert deep(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 50)
