@@ -1,6 +1,7 @@
 """The `draftsmith` command map. Each subcommand is one typed function; its docstring is its help.
 
     draftsmith data stats --data SOURCE [--target T] [--json]
+    draftsmith regenerate --target T --data SOURCE --out CHATS.jsonl [--turns first|all] ...
     draftsmith extract --target T --data SOURCE --out DIR [--layer_ids [2,15,27]] ...
     draftsmith fit --config RECIPE.yaml [--trainer.max_steps N] [--data.features_dir DIR] [--ckpt_path last]
 
@@ -96,6 +97,48 @@ def extract(target: str, data: str, out: str, layer_ids: list[int] | None = None
     manifest = run_extract(cfg)
     if manifest:
         Console().print(summary_table(manifest, out))
+
+
+def regenerate(target: str, data: str, out: str, limit: int | None = None, turns: str = "first",
+               max_new_tokens: int = 512, max_length: int = 2048, temperature: float = 0.0, top_p: float | None = None,
+               batch_size: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
+               trust_remote_code: bool = False) -> None:
+    """Let the target answer the chats' user turns itself and write the chats to OUT (.jsonl).
+
+    Drafters are judged on the target's own text; features of that text (`draftsmith extract
+    --data OUT`) teach them what they will see. Conversation ids are kept, so the train/validation
+    split matches the source's. Rerunning the same command resumes after the chats written.
+
+    Args:
+        target: the target model, as for extract.
+        data: chat source whose user turns are answered, as for `draftsmith data stats`.
+        out: the .jsonl file to write (with OUT.meta.json: target and settings).
+        limit: use only the first LIMIT kept conversations.
+        turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
+        max_new_tokens: longest answer; longer ones are cut (counted).
+        max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
+        temperature: 0 for greedy answers (what greedy decoding will see); > 0 samples.
+        top_p: nucleus filtering when sampling.
+        batch_size: prompts generated together (grouped by length).
+        dtype: the target's compute dtype.
+        device: cpu, cuda, ...
+        seed: sampling seed.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+    from rich.console import Console
+
+    from draftsmith.data.regenerate import RegenerateConfig, regenerate as run_regenerate
+
+    cfg = RegenerateConfig(target=target, data=data, out=out, limit=limit, turns=turns, max_new_tokens=max_new_tokens,
+                           max_length=max_length, temperature=temperature, top_p=top_p, batch_size=batch_size,
+                           dtype=dtype, device=device, seed=seed, trust_remote_code=trust_remote_code)
+    summary = run_regenerate(cfg)
+    Console().print(f"[bold]regenerated[/] {summary['conversations']} conversations "
+                    f"({summary['already_done']} already in {out}): {summary.get('answers', 0)} answers, "
+                    f"{summary.get('answer_tokens', 0)} tokens at {summary['answer_tokens_per_second']} tok/s; "
+                    f"cut at max_new_tokens {summary.get('answers_cut_at_max_new_tokens', 0)}, empty "
+                    f"{summary.get('empty_answers', 0)}, no room {summary.get('turns_without_room', 0)}; "
+                    f"next: draftsmith extract --target {target} --data {out} --out DIR")
 
 
 def export(checkpoint: str, format: str = "native", out: str = "export", speculative_tokens: int = 3) -> None:
@@ -203,8 +246,8 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
                policy=policy, k=k, tree=tree, dtype=dtype, repeats=repeats, out=out, console=Console())
 
 
-COMMANDS = {"data": {"stats": data_stats}, "extract": extract, "export": export, "eval": evaluate_command,
-            "run": run}
+COMMANDS = {"data": {"stats": data_stats}, "regenerate": regenerate, "extract": extract, "export": export,
+            "eval": evaluate_command, "run": run}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 
@@ -289,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: finished shards are kept; rerun the same command to resume", file=sys.stderr)
+        print("interrupted: finished shards (or regenerated chats) are kept; rerun the same command to resume",
+              file=sys.stderr)
         sys.exit(130)
 
 
