@@ -1,0 +1,79 @@
+"""A drafter trained on the target's own answers against one trained on the dataset's answers, one run.
+
+Both arms: the EAGLE recipe (recipes/smollm2-135m/eagle-cpu.yaml), the same step budget, the
+user turns of the same `--limit` ShareGPT chats. One arm's features come from the chats' own
+(ShareGPT) answers, the other's from the target's greedy answers (`draftsmith regenerate`).
+Both then decode the same MT-bench prompts greedily with EAGLE-2 trees through the runtime
+(greedy decoding commits the target's tokens, so both see the same text): τ and the ratio.
+
+    python benchmarks/self_distill.py [--limit 400] [--steps 240] [--decode-prompts 20] [--tree 6,10,60]
+
+Makes what is missing first, resumably (the same commands a user would run):
+runs/smollm2-135m/sharegpt-LIMIT-self.jsonl (regenerate: first turns, 256 new tokens),
+features-self-LIMIT and features-sharegpt-LIMIT (extract, max length 512).
+Ends with `RESULT tau_sharegpt=... tau_self=... ratio=<self/sharegpt>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "embedded:smollm2-135m-instruct"
+
+
+def ensure_features(data: str, limit: int, out: Path) -> None:
+    from draftsmith.extract import ExtractConfig, extract
+
+    if not (out / "manifest.json").is_file():
+        extract(ExtractConfig(target=TARGET, data=data, out=str(out), limit=limit, max_length=512,
+                              layer_ids=[2, 15, 27]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--decode-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--tree", default="6,10,60")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench-self-distill"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from hass_vs_eagle import decode_tau, train_and_score
+
+    from draftsmith.data.regenerate import RegenerateConfig, regenerate
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.target import load_target
+
+    runs = ROOT / "runs" / "smollm2-135m"
+    chats = runs / f"sharegpt-{args.limit}-self.jsonl"
+    summary = regenerate(RegenerateConfig(target=TARGET, data="sharegpt", out=str(chats), limit=args.limit,
+                                          max_new_tokens=256, max_length=1024))
+    print(f"regenerated chats: {chats} ({summary['already_done'] + summary['conversations']} conversations)", flush=True)
+    arms = {"sharegpt": ("sharegpt", runs / f"features-sharegpt-{args.limit}"),
+            "self": (str(chats), runs / f"features-self-{args.limit}")}
+    for data, features in arms.values():
+        ensure_features(data, args.limit, features)
+    target = load_target(TARGET, dtype="bfloat16")
+    tok = target.tokenizer
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+               for p in load_prompts("mtbench", args.decode_prompts)]
+    taus = {}
+    for name, (_, features) in arms.items():
+        figures, module = train_and_score("recipes/smollm2-135m/eagle-cpu.yaml", args.steps, 3, Path(args.out) / name,
+                                          overrides=("--data.init_args.features_dir", str(features)))
+        stats = decode_tau(module, target, prompts, args.max_new_tokens, args.tree)
+        taus[name] = stats["tau"]
+        print(f"{name}: val tau {figures['tau']:.3f} (own validation split), MT-bench decoding {len(prompts)} x "
+              f"{args.max_new_tokens} tokens, trees {args.tree}: tau {stats['tau']:.3f}, alpha by depth "
+              f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training", flush=True)
+    print(f"RESULT tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
+          f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit}")
+
+
+if __name__ == "__main__":
+    main()
