@@ -69,9 +69,9 @@ def decode_tau(module: object, target: object, prompts: list[list[int]], max_new
     proposer = FeatureProposer(drafter, target.vocab_size, module.aux_layer_ids)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     shape = EvalConfig(target="", tree=tree).tree_shape()
-    eos = (target.tokenizer.eos_token_id,)
-    results = decode_all(runner, proposer, prompts, max_new_tokens, lambda: Static(shape.depth), SamplingConfig(), eos,
-                         seed=0, tree=shape)
+    # trees ignore the chain policy, but a round with no room left for a draft asks it for its length
+    results = decode_all(runner, proposer, prompts, max_new_tokens, lambda: Static(shape.depth), SamplingConfig(),
+                         target.eos_token_ids, seed=0, tree=shape)
     return acceptance_stats(results)
 
 
@@ -101,14 +101,11 @@ def main() -> None:
     if args.long_chain:
         line += f" ratio_long={results['hass']['tau_long'] / results['eagle']['tau_long']:.3f}"
     if args.decode_prompts:
-        from draftsmith.eval.prompts import load_prompts
+        from draftsmith.eval.prompts import first_turn_ids
         from draftsmith.models.target import load_target
 
         target = load_target("embedded:smollm2-135m-instruct", dtype="bfloat16")
-        tok = target.tokenizer
-        prompts = [list(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)["input_ids"])
-                   for p in load_prompts("mtbench", args.decode_prompts)]
+        prompts = first_turn_ids(target, "mtbench", args.decode_prompts)
         taus = {}
         for name, module in modules.items():
             stats = decode_tau(module, target, prompts, args.max_new_tokens, args.tree)

@@ -45,7 +45,7 @@ def main() -> None:
     from hass_vs_eagle import decode_tau, train_and_score
 
     from draftsmith.data.regenerate import RegenerateConfig, regenerate
-    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
 
     runs = ROOT / "runs" / "smollm2-135m"
@@ -58,10 +58,7 @@ def main() -> None:
     for data, features in arms.values():
         ensure_features(data, args.limit, features)
     target = load_target(TARGET, dtype="bfloat16")
-    tok = target.tokenizer
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"])
-               for p in load_prompts("mtbench", args.decode_prompts)]
+    prompts = first_turn_ids(target, "mtbench", args.decode_prompts)
     taus = {}
     for name, (_, features) in arms.items():
         figures, module = train_and_score("recipes/smollm2-135m/eagle-cpu.yaml", args.steps, 3, Path(args.out) / name,

@@ -38,7 +38,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from draftsmith.eval.evaluate import EvalConfig, policy_factory, standalone_head_ids
-    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
     from draftsmith.runtime.policies import Confidence, Static
@@ -50,9 +50,7 @@ def main() -> None:
     target = load_target("embedded:smollm2-135m-instruct", dtype="float32")
     draft = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=torch.float32).eval()
     tok = target.tokenizer
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"])
-               for p in load_prompts("mtbench", args.limit)]
+    prompts = first_turn_ids(target, "mtbench", args.limit)
     eos = tok.eos_token_id
     defaults = EvalConfig(target="")
     default_policy = policy_factory(defaults)

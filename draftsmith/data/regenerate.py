@@ -101,16 +101,11 @@ class Answerer:
 
     def __init__(self, target: Any, cfg: RegenerateConfig):
         self.model, self.tok, self.cfg = target.model, target.tokenizer, cfg
-        config_eos = getattr(target.config, "eos_token_id", None)
-        self.eos = sorted(i for i in {self.tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
-                          if i is not None)
+        self.prompt_ids = target.encode_chat
+        self.eos = list(target.eos_token_ids)
         if not self.eos:
             raise DraftsmithError(f"target {cfg.target!r} has no EOS token: answers would never end")
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
-
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"])
 
     @torch.no_grad()
     def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:

@@ -131,14 +131,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     tok = target.tokenizer
-    config_eos = getattr(target.config, "eos_token_id", None)
-    eos = tuple(sorted(i for i in {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
-                       if i is not None))
+    eos = target.eos_token_ids
     new_policy = policy_factory(cfg)
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data)
-
-    def encode(messages: list[dict[str, str]]) -> list[int]:
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    encode = target.encode_chat
 
     conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
     if cfg.turns == "both":  # the second turn follows the target's own (greedy) first answer

@@ -82,3 +82,8 @@ def load_prompts(name: str, limit: int | None = None, turns: str = "first", data
             i += 1
         prompts = picked
     return prompts
+
+
+def first_turn_ids(target: Any, name: str = "mtbench", limit: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt's first user turn in the target's chat template (what the benchmarks decode)."""
+    return [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in load_prompts(name, limit)]

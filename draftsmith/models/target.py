@@ -133,6 +133,18 @@ class Target:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends an answer: the tokenizer's EOS and the model config's (one id or a list)."""
+        config_eos = getattr(self.config, "eos_token_id", None)
+        ids = {self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
+        return tuple(sorted(i for i in ids if i is not None))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the chat template, ready for the assistant's next answer."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
     def default_aux_layer_ids(self) -> list[int]:
         """EAGLE-3's default fused layers: [2, N//2, N-3] (SmolLM2-135M: [2, 15, 27])."""
         n = self.num_layers

@@ -85,7 +85,8 @@ def test_embedded_gguf_target_loads_and_caches(tmp_path, monkeypatch):
     ident = target.identity
     assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (30, 576, 49152)
     assert target.default_aux_layer_ids() == [2, 15, 27]
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
-                                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = target.model.generate(**prompt, max_new_tokens=24, do_sample=False)
-    assert "4" in target.tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
+    assert target.eos_token_ids == (2,)  # <|im_end|>, the chat template's turn end
+    ids = target.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+    assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    out = target.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    assert "4" in target.tokenizer.decode(out[0, len(ids):])
