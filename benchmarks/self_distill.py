@@ -6,17 +6,23 @@ user turns of the same `--limit` ShareGPT chats. One arm's features come from th
 Both then decode the same MT-bench prompts greedily with EAGLE-2 trees through the runtime
 (greedy decoding commits the target's tokens, so both see the same text): τ and the ratio.
 
-    python benchmarks/self_distill.py [--limit 400] [--steps 240] [--decode-prompts 20] [--tree 6,10,60]
+    python benchmarks/self_distill.py [--limit 400] [--self-limit N] [--steps 240] [--decode-prompts 20]
+                                      [--tree 6,10,60]
+
+The target's first-turn answers (≤ 256 tokens) are shorter than ShareGPT's whole chats: at the
+same --limit the self arm has about half the loss tokens. `--self-limit` (default --limit) gives
+the self arm more chats; the script prints both arms' loss tokens.
 
 Makes what is missing first, resumably (the same commands a user would run):
-runs/smollm2-135m/sharegpt-LIMIT-self.jsonl (regenerate: first turns, 256 new tokens),
-features-self-LIMIT and features-sharegpt-LIMIT (extract, max length 512).
+runs/smollm2-135m/sharegpt-self.jsonl (regenerate: first turns, 256 new tokens; a larger
+--self-limit extends it), features-self-SELF_LIMIT and features-sharegpt-LIMIT (extract, max length 512).
 Ends with `RESULT tau_sharegpt=... tau_self=... ratio=<self/sharegpt>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +41,7 @@ def ensure_features(data: str, limit: int, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=400)
+    ap.add_argument("--self-limit", type=int, default=None, help="chats regenerated for the self arm (default: --limit)")
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--decode-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -48,19 +55,23 @@ def main() -> None:
     from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
 
+    self_limit = args.self_limit or args.limit
     runs = ROOT / "runs" / "smollm2-135m"
-    chats = runs / f"sharegpt-{args.limit}-self.jsonl"
-    summary = regenerate(RegenerateConfig(target=TARGET, data="sharegpt", out=str(chats), limit=args.limit,
+    chats = runs / "sharegpt-self.jsonl"
+    summary = regenerate(RegenerateConfig(target=TARGET, data="sharegpt", out=str(chats), limit=self_limit,
                                           max_new_tokens=256, max_length=1024))
     print(f"regenerated chats: {chats} ({summary['already_done'] + summary['conversations']} conversations)", flush=True)
-    arms = {"sharegpt": ("sharegpt", runs / f"features-sharegpt-{args.limit}"),
-            "self": (str(chats), runs / f"features-self-{args.limit}")}
-    for data, features in arms.values():
-        ensure_features(data, args.limit, features)
+    arms = {"sharegpt": ("sharegpt", args.limit, runs / f"features-sharegpt-{args.limit}"),
+            "self": (str(chats), self_limit, runs / f"features-self-{self_limit}")}
+    for name, (data, limit, features) in arms.items():
+        ensure_features(data, limit, features)
+        manifest = json.loads((features / "manifest.json").read_text())
+        print(f"{name}: {manifest['num_records']} chats, {manifest['num_tokens']} tokens, "
+              f"{manifest['num_loss_tokens']} loss tokens", flush=True)
     target = load_target(TARGET, dtype="bfloat16")
     prompts = first_turn_ids(target, "mtbench", args.decode_prompts)
     taus = {}
-    for name, (_, features) in arms.items():
+    for name, (_, _, features) in arms.items():
         figures, module = train_and_score("recipes/smollm2-135m/eagle-cpu.yaml", args.steps, 3, Path(args.out) / name,
                                           overrides=("--data.init_args.features_dir", str(features)))
         stats = decode_tau(module, target, prompts, args.max_new_tokens, args.tree)
@@ -69,7 +80,7 @@ def main() -> None:
               f"{args.max_new_tokens} tokens, trees {args.tree}: tau {stats['tau']:.3f}, alpha by depth "
               f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training", flush=True)
     print(f"RESULT tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
-          f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit}")
+          f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit} self_limit={self_limit}")
 
 
 if __name__ == "__main__":

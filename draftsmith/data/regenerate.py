@@ -6,8 +6,9 @@ own earlier answers), and the chats are written to a .jsonl that `extract --data
 Conversation ids are kept, so the train/validation split is the same as the source's.
 
 Nothing is lost on a crash: records are appended a chunk at a time, and a rerun with the same
-settings resumes after the conversations already written. A rerun with other settings (or
-another target) into the same file is refused.
+settings resumes after the conversations already written, and one with a larger --limit
+appends the conversations the file lacks. A rerun with other settings (or another target)
+into the same file is refused.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class RegenerateConfig:
             raise DraftsmithError(f"--temperature must be >= 0, got {self.temperature}")
 
     def settings(self) -> dict[str, Any]:
-        """What decides the answers: a resumed file must have been written with the same."""
-        keep = ("data", "limit", "turns", "max_new_tokens", "max_length", "temperature", "top_p", "seed")
+        """What decides the answers: a resumed file must have been written with the same. Not `limit`:
+        the first N conversations of a source are a prefix of its first M > N, so a larger limit extends a file."""
+        keep = ("data", "turns", "max_new_tokens", "max_length", "temperature", "top_p", "seed")
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 

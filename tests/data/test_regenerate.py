@@ -97,6 +97,16 @@ def test_rerun_resumes_after_a_crash_and_equals_one_run(lively_target, chats_fil
     assert again["conversations"] == 0 and cut.read_text() == whole.read_text()
 
 
+def test_a_larger_limit_extends_the_file(lively_target, chats_file, tmp_path):
+    whole, grown = tmp_path / "whole.jsonl", tmp_path / "grown.jsonl"
+    regenerate(cfg(lively_target, chats_file, whole, limit=20))
+    regenerate(cfg(lively_target, chats_file, grown, limit=7))
+    assert len(grown.read_text().splitlines()) == 7
+    summary = regenerate(cfg(lively_target, chats_file, grown, limit=20))
+    assert summary["already_done"] == 7 and summary["conversations"] == 13
+    assert grown.read_text() == whole.read_text()
+
+
 def test_other_settings_or_foreign_files_are_refused(lively_target, chats_file, tmp_path):
     out = tmp_path / "self.jsonl"
     regenerate(cfg(lively_target, chats_file, out, limit=4))
