@@ -11,6 +11,9 @@ Then both drafters decode the same MT-bench prompts through the runtime (greedy,
 `--tree`, bf16): the acceptance length τ measured the way the HASS paper measures it. Greedy
 decoding commits the target's own tokens whatever the drafter, so both arms see the same text.
 
+The recipes' features are extracted first when missing, as `draftsmith run` does (run from the
+repository root: the recipes' paths are relative to it).
+
     python benchmarks/hass_vs_eagle.py [--steps 240] [--chain 3] [--long-chain 6]
                                        [--decode-prompts 20] [--tree 6,10,60]
 
@@ -85,8 +88,15 @@ def main() -> None:
     ap.add_argument("--tree", default="6,10,60", help="DEPTH,TOPK,TOKENS of the trees decoded (EAGLE-2's defaults)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench-hass-vs-eagle"))
     args = ap.parse_args()
+    from rich.console import Console
+
+    from draftsmith.pipeline import ensure_features
+
+    recipes = {"eagle": "recipes/smollm2-135m/eagle-cpu.yaml", "hass": "recipes/smollm2-135m/hass-cpu.yaml"}
+    for recipe in recipes.values():  # both read the same features: extracted once when missing
+        ensure_features(ROOT / recipe, Console(stderr=True), f"extract for {recipe}")
     results, modules = {}, {}
-    for name, recipe in (("eagle", "recipes/smollm2-135m/eagle-cpu.yaml"), ("hass", "recipes/smollm2-135m/hass-cpu.yaml")):
+    for name, recipe in recipes.items():
         results[name], modules[name] = train_and_score(recipe, args.steps, args.chain, Path(args.out) / name,
                                                        long_chain=args.long_chain)
         r = results[name]

@@ -13,6 +13,27 @@ def _newest(root: Path, pattern: str) -> Path | None:
     return found[-1] if found else None
 
 
+def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
+    """Extract an offline recipe's features when its feature directory has none (a partial extraction resumes)."""
+    import yaml
+
+    from draftsmith.extract import ExtractConfig, extract, summary_table
+
+    raw = yaml.safe_load(recipe.read_text())
+    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
+    if "features_dir" not in data or (Path(data["features_dir"]) / "manifest.json").is_file():
+        return
+    layer_ids = model.get("aux_layer_ids") or []
+    if model.get("kind") == "eagle3" and not layer_ids:
+        from draftsmith.models.target import load_target
+
+        layer_ids = load_target(model["target"]).default_aux_layer_ids()
+    console.rule(f"[bold]{title}")
+    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=data["features_dir"],
+                                     layer_ids=layer_ids, max_length=data.get("max_length", 2048), limit=data.get("limit")))
+    console.print(summary_table(manifest, data["features_dir"]))
+
+
 def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,
                k: int, dtype: str, repeats: int, out: str | None, console: Any, tree: str | None = None) -> dict[str, Any]:
     import torch
@@ -22,7 +43,6 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     from draftsmith.eval.evaluate import EvalConfig, evaluate
     from draftsmith.eval.report import plots, table, write_results
     from draftsmith.export import export
-    from draftsmith.extract import ExtractConfig, extract, summary_table
 
     path = Path(recipe)
     if not path.is_file():
@@ -32,17 +52,7 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     root = Path(out or trainer.get("default_root_dir") or f"runs/{path.stem}")
 
     # 1. features (offline recipes)
-    if "features_dir" in data and not (Path(data["features_dir"]) / "manifest.json").is_file():
-        layer_ids = model.get("aux_layer_ids") or []
-        if model.get("kind") == "eagle3" and not layer_ids:
-            from draftsmith.models.target import load_target
-
-            layer_ids = load_target(model["target"]).default_aux_layer_ids()
-        console.rule("[bold]1/4 extract")
-        manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"),
-                                         out=data["features_dir"], layer_ids=layer_ids,
-                                         max_length=data.get("max_length", 2048), limit=data.get("limit")))
-        console.print(summary_table(manifest, data["features_dir"]))
+    ensure_features(path, console, "1/4 extract")
 
     # 2. training, resumed from last.ckpt, skipped when max_steps was reached
     last = _newest(root, "last.ckpt")
