@@ -13,25 +13,52 @@ def _newest(root: Path, pattern: str) -> Path | None:
     return found[-1] if found else None
 
 
-def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
-    """Extract an offline recipe's features when its feature directory has none (a partial extraction resumes)."""
-    import yaml
-
-    from draftsmith.extract import ExtractConfig, extract, summary_table
-
-    raw = yaml.safe_load(recipe.read_text())
-    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
-    if "features_dir" not in data or (Path(data["features_dir"]) / "manifest.json").is_file():
-        return
-    layer_ids = model.get("aux_layer_ids") or []
+def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
+    """Hidden-state layers a recipe's feature directory must hold: those the drafter fuses (EAGLE-3's
+    default when none are named) and the data's `layer_ids` (layers kept for other recipes sharing it)."""
+    layer_ids = list(model.get("aux_layer_ids") or [])
     if model.get("kind") == "eagle3" and not layer_ids:
         from draftsmith.models.target import load_target
 
         layer_ids = load_target(model["target"]).default_aux_layer_ids()
+    return sorted(set(layer_ids) | set(data.get("layer_ids") or []))
+
+
+def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
+    """Extract an offline recipe's features when its feature directory has none (a partial extraction
+    resumes), or when it lacks layers the recipe needs: then the directory is re-extracted with the
+    layers it held and the new ones (into a sibling folder, swapped in once complete), so the recipes
+    that share it keep working."""
+    import shutil
+
+    import yaml
+
+    from draftsmith.data.features import read_manifest
+    from draftsmith.extract import ExtractConfig, extract, summary_table
+
+    raw = yaml.safe_load(recipe.read_text())
+    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
+    if "features_dir" not in data:
+        return
+    out = Path(data["features_dir"])
+    needed, held = _layers_needed(model, data), None
+    if (out / "manifest.json").is_file():
+        held = read_manifest(out)["layer_ids"]
+        if set(needed) <= set(held):
+            return
+    layer_ids = sorted(set(needed) | set(held or []))
     console.rule(f"[bold]{title}")
-    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=data["features_dir"],
+    target = out
+    if held is not None:
+        target = out.with_name(out.name + ".relayered")
+        console.print(f"{out} holds layers {held}; {recipe} needs {needed}: extracting layers {layer_ids} into "
+                      f"{target}, which replaces it once complete")
+    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=str(target),
                                      layer_ids=layer_ids, max_length=data.get("max_length", 2048), limit=data.get("limit")))
-    console.print(summary_table(manifest, data["features_dir"]))
+    if target != out:
+        shutil.rmtree(out)
+        target.rename(out)
+    console.print(summary_table(manifest, str(out)))
 
 
 def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,

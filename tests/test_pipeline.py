@@ -25,3 +25,37 @@ def test_run_goes_end_to_end_and_skips_finished_stages(tmp_path):
     again = run_cli(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "1/4 extract" not in again.stdout and "2/4 fit" not in again.stdout and "4/4 eval" in again.stdout
+
+
+def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_adds(tmp_path):
+    from rich.console import Console
+
+    from draftsmith.data.features import read_manifest
+    from draftsmith.pipeline import ensure_features
+
+    root = tmp_path / "tiny"
+    save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(12)))
+
+    def shared(name, data_layers=None, **model):
+        path = recipe(root, tmp_path / name, **model)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=128)
+        if data_layers is not None:
+            cfg["data"]["init_args"]["layer_ids"] = data_layers
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    console, features = Console(quiet=True), root / "features"
+    ensure_features(shared("eagle"), console)  # EAGLE fuses no layers
+    first = read_manifest(features)
+    assert first["layer_ids"] == []
+    ensure_features(shared("eagle3", kind="eagle3", aux_layer_ids=[0, 2]), console)
+    second = read_manifest(features)
+    assert second["layer_ids"] == [0, 2] and second["num_tokens"] == first["num_tokens"]
+    assert not (root / "features.relayered").exists()
+    ensure_features(shared("eagle-keeps-1", data_layers=[1]), console)  # the layers held before are kept
+    assert read_manifest(features)["layer_ids"] == [0, 1, 2]
+    stamp = (features / "manifest.json").stat().st_mtime_ns
+    ensure_features(shared("eagle3-again", kind="eagle3", aux_layer_ids=[0, 2]), console)  # nothing missing
+    assert (features / "manifest.json").stat().st_mtime_ns == stamp

@@ -138,7 +138,9 @@ class FeatureDataModule(_LengthBatched):
 
     Args:
         features_dir: the directory `draftsmith extract --out` wrote.
-        layer_ids: extra hidden states to load as `aux` (None: those the drafter asks for).
+        layer_ids: hidden-state layers (besides the final one) the features must hold; loaded as `aux`
+            unless a drafter names the layers it fuses. `draftsmith run` extracts them, so recipes
+            sharing a directory can each ask for the layers all of them need.
         val_fraction: share of conversations (by id hash) held out for validation.
         max_tokens: padded tokens per batch (B * T).
         max_batch_size: records per batch at most.
