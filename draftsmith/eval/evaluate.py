@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -115,6 +116,7 @@ def policy_factory(cfg: EvalConfig) -> Callable[[], Any]:
 
 
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
+    import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -146,6 +148,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
                          {"role": "user", "content": p["turns"][1]}]
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
+    load_before = _load_average()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2)
@@ -160,4 +163,18 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "target_identity": target.identity.as_dict()}
+    results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                                    "load_average": [load_before, _load_average()]}
+    busy = max((x for x in machine["load_average"] if x is not None), default=0.0)
+    if busy > machine["threads"] + 1:
+        console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
+                      "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")
     return results
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): other processes on the CPU skew timings."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None

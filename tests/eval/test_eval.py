@@ -59,3 +59,24 @@ def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
     assert "tree 3,2,5" in result.stdout
     bad = run_cli("eval", "--target", str(tiny_features / "target"), "--tree", "5x8", "--out", str(tmp_path / "e2"))
     assert bad.returncode == 2 and "DEPTH,TOPK,TOKENS" in bad.stderr
+
+
+def test_eval_records_the_load_and_warns_when_other_work_shared_the_cpu(tiny_features, tmp_path, monkeypatch):
+    import io
+    import os
+
+    import torch
+    from rich.console import Console
+
+    from draftsmith.eval.evaluate import EvalConfig, evaluate
+
+    cfg = EvalConfig(target=str(tiny_features / "target"), drafter=None, limit=1, max_new_tokens=4, repeats=1,
+                     dtype="float32", out=str(tmp_path))
+    busy = torch.get_num_threads() + 2.0
+    for loads, warned in (([0.2, 0.4], False), ([0.2, busy], True)):
+        readings = iter(loads)
+        monkeypatch.setattr(os, "getloadavg", lambda: (next(readings), 0.0, 0.0))
+        printed = io.StringIO()
+        results = evaluate(cfg, Console(file=printed, width=300))
+        assert results["machine"]["load_average"] == loads and results["machine"]["cpus"] == os.cpu_count()
+        assert ("other work shared the CPU" in printed.getvalue()) == warned
