@@ -61,6 +61,21 @@ def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], ma
     return out
 
 
+def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tensor | None) -> float | None:
+    """Share of the generated tokens inside the drafter's vocabulary (None: it drafts any token).
+
+    A pruned draft vocabulary (EAGLE-3's d2t, a standalone drafter's ranked head) can never propose
+    the others, so this bounds the acceptance rate at depth 1."""
+    if draftable is None:
+        return None
+    tokens = torch.tensor([t for r in results for t in r.tokens], dtype=torch.long)
+    if not len(tokens):
+        return None
+    inside = torch.zeros(int(max(int(tokens.max()), int(draftable.max()))) + 1, dtype=torch.bool)
+    inside[draftable.cpu()] = True
+    return float(inside[tokens].float().mean())
+
+
 def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
             make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
             seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None) -> dict[str, Any]:
@@ -91,7 +106,8 @@ def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categ
                              "speedup": rate["method"] / rate["autoregressive"], "prompts": len(idx)}
     method_results = [x for rep in runs["method"] for x in rep]
     return {
-        "acceptance": acceptance_stats(method_results),
+        "acceptance": {**acceptance_stats(method_results),
+                       "draft_vocab_coverage": draft_vocab_coverage(runs["method"][0], proposer.draftable)},
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
                   "repeats": repeats},
         "per_category": dict(per_category),

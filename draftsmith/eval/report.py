@@ -32,6 +32,8 @@ def table(results: dict[str, Any]) -> Any:
         if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
     t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")
+    if acc.get("draft_vocab_coverage") is not None:
+        t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
     return t
 
 

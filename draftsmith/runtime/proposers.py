@@ -37,6 +37,7 @@ class NoProposer:
 
     needs_features = False
     aux_layer_ids: list[int] = []
+    draftable = None  # target ids it can draft (None: any)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -68,6 +69,7 @@ class FeatureProposer:
         self.vocab_size = vocab_size
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
+        self.draftable = self.to_target  # target ids it can draft (None: any)
         self.reset()
 
     def reset(self) -> None:
@@ -181,6 +183,7 @@ class ModelProposer:
         self.head_ids, self.head = None, None
         if head_ids is not None and len(head_ids) < vocab_size:
             self.head_ids, self.head = head_ids.long().to(self._device()), _ranked_head(model, head_ids)
+        self.draftable = self.head_ids  # target ids it can draft (None: any)
         self.reset()
 
     def _device(self) -> torch.device:

@@ -48,6 +48,7 @@ def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
     assert results["speed"]["repeats"] == 2 and results["speed"]["speedup"] > 0
     assert set(results["per_category"]) and (tmp_path / "eval" / "alpha_by_position.png").is_file()
     assert (tmp_path / "eval" / "by_category.png").is_file() and "speedup" in result.stdout
+    assert 0.0 < acc["draft_vocab_coverage"] <= 1.0 and "inside the draft vocabulary" in " ".join(result.stdout.split())
 
 
 def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
@@ -80,3 +81,13 @@ def test_eval_records_the_load_and_warns_when_other_work_shared_the_cpu(tiny_fea
         results = evaluate(cfg, Console(file=printed, width=300))
         assert results["machine"]["load_average"] == loads and results["machine"]["cpus"] == os.cpu_count()
         assert ("other work shared the CPU" in printed.getvalue()) == warned
+
+
+def test_draft_vocab_coverage_counts_generated_tokens_the_drafter_can_propose():
+    import torch
+
+    from draftsmith.eval.acceptance import draft_vocab_coverage
+
+    results = [GenerationResult(tokens=[1, 2, 3, 9], prompt_length=2), GenerationResult(tokens=[2, 2, 7, 50], prompt_length=2)]
+    assert draft_vocab_coverage(results, torch.tensor([2, 3, 7])) == 5 / 8
+    assert draft_vocab_coverage(results, None) is None
