@@ -29,11 +29,12 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     resumes), or when it lacks layers the recipe needs: then the directory is re-extracted with the
     layers it held and the new ones (into a sibling folder, swapped in once complete), so the recipes
     that share it keep working."""
+    import json
     import shutil
 
     import yaml
 
-    from draftsmith.data.features import read_manifest
+    from draftsmith.data.features import RUN_FILE, read_manifest
     from draftsmith.extract import ExtractConfig, extract, summary_table
 
     raw = yaml.safe_load(recipe.read_text())
@@ -48,16 +49,19 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
             return
     layer_ids = sorted(set(needed) | set(held or []))
     console.rule(f"[bold]{title}")
-    target = out
+    dest = out
     if held is not None:
-        target = out.with_name(out.name + ".relayered")
+        dest = out.with_name(out.name + ".relayered")
+        started = dest / RUN_FILE
+        if started.is_file() and json.loads(started.read_text()).get("layer_ids") != layer_ids:
+            shutil.rmtree(dest)  # a killed re-extraction for other layers: it cannot resume
         console.print(f"{out} holds layers {held}; {recipe} needs {needed}: extracting layers {layer_ids} into "
-                      f"{target}, which replaces it once complete")
-    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=str(target),
+                      f"{dest}, which replaces it once complete")
+    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=str(dest),
                                      layer_ids=layer_ids, max_length=data.get("max_length", 2048), limit=data.get("limit")))
-    if target != out:
+    if dest != out:
         shutil.rmtree(out)
-        target.rename(out)
+        dest.rename(out)
     console.print(summary_table(manifest, str(out)))
 
 

@@ -50,6 +50,9 @@ def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_add
     ensure_features(shared("eagle"), console)  # EAGLE fuses no layers
     first = read_manifest(features)
     assert first["layer_ids"] == []
+    stale = root / "features.relayered"  # a re-extraction for other layers, killed: started over
+    stale.mkdir()
+    (stale / "run.json").write_text(json.dumps({"layer_ids": [1]}))
     ensure_features(shared("eagle3", kind="eagle3", aux_layer_ids=[0, 2]), console)
     second = read_manifest(features)
     assert second["layer_ids"] == [0, 2] and second["num_tokens"] == first["num_tokens"]
