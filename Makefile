@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 # The main job on the embedded default: extract → fit → export → eval, then the τ/speedup table.
 demo: setup
 	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
-	  --max_new_tokens 96 --tree 5,6,24
+	  --max_new_tokens 96 --tree 3,4,8
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
