@@ -86,8 +86,7 @@ def main() -> None:
     def drafter_round(draft):
         """Feed two accepted anchors (crop them off again), then draft."""
         def run():
-            proposer.cache.crop(anchors - 2)
-            proposer.anchors = anchors - 2
+            proposer.anchors = anchors - 2  # observe crops the buffer to its anchors first
             proposer.observe(prompt[-2:], *feed)
             return draft()
         return run

@@ -34,7 +34,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
 
     import yaml
 
-    from draftsmith.data.features import RUN_FILE, read_manifest
+    from draftsmith.data.features import MANIFEST_FILE, RUN_FILE, read_manifest
     from draftsmith.extract import ExtractConfig, extract, summary_table
 
     raw = yaml.safe_load(recipe.read_text())
@@ -43,7 +43,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
         return
     out = Path(data["features_dir"])
     needed, held = _layers_needed(model, data), None
-    if (out / "manifest.json").is_file():
+    if (out / MANIFEST_FILE).is_file():
         held = read_manifest(out)["layer_ids"]
         if set(needed) <= set(held):
             return

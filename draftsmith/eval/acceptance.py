@@ -71,9 +71,7 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
     tokens = torch.tensor([t for r in results for t in r.tokens], dtype=torch.long)
     if not len(tokens):
         return None
-    inside = torch.zeros(int(max(int(tokens.max()), int(draftable.max()))) + 1, dtype=torch.bool)
-    inside[draftable.cpu()] = True
-    return float(inside[tokens].float().mean())
+    return float(torch.isin(tokens, draftable.cpu()).float().mean())
 
 
 def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
