@@ -2,7 +2,9 @@
 
 Times, side by side in one process (medians of `--repeats` after a warm-up): one autoregressive
 target step; for each draft shape, the drafter's work in a round (feeding it two accepted
-anchors, then drafting the chain or EAGLE-2 tree) and the target forward that verifies it. A
+anchors, then drafting the chain or EAGLE-2 tree) and the target forward that verifies it,
+also with transformers' default attention for comparison (under a mask it repeats every cached
+key and value per query head; the runtime lets SDPA group the query heads on a CPU). A
 round's cost over an autoregressive step is the acceptance length τ a shape must reach just to
 break even; 1.5 times that is the τ a 1.5x wall-clock speedup needs (speedup = τ · AR step /
 round). Costs do not depend on what the drafter has learned, so by default the drafter is a
@@ -12,7 +14,8 @@ freshly initialised EAGLE-3 drafter of the hass-cpu-full shape (fused layers [2,
     python benchmarks/round_cost.py [--drafter DIR] [--context 400] [--chains 3,4]
                                     [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30]
 
-Ends with `RESULT ar_ms=... ratio_<shape>=<round / AR step> ...`.
+Ends with `RESULT ar_ms=... ratio_<shape>=<round / AR step> repeat_kv_<shape>=<verify with K/V repeated
+/ verify> ...`.
 """
 
 from __future__ import annotations
@@ -91,36 +94,40 @@ def main() -> None:
             return draft()
         return run
 
-    def verify(tokens: list[int], tree=None):
+    def verify(tokens: list[int], tree=None, gqa: bool = True):
         def run():
+            runner.gqa = gqa
             runner.forward([prompt[-1]] + tokens, tree)
             runner.rollback(runner.cached() - start)
         return run
 
     print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}", flush=True)
     ar = median_ms(verify([]), args.repeats)
-    rows = [("autoregressive", 1, 0.0, ar)]
+    rows = [("autoregressive", 1, 0.0, ar, ar)]
     sampling = SamplingConfig()
+    drafts = []
     for k in (int(x) for x in args.chains.split(",") if x):
         draft = drafter_round(lambda k=k: proposer.propose(prompt, Static(k), k, sampling, None))
-        tokens = draft()[0]
-        rows.append((f"chain {k}", len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens), args.repeats)))
+        drafts.append((f"chain {k}", draft, lambda draft=draft: (draft()[0], None)))
     for spec in args.trees:
         shape = EvalConfig(target="", tree=spec).tree_shape()
         draft = drafter_round(lambda shape=shape: proposer.propose_tree(shape))
-        tree = draft()
-        rows.append((f"tree {spec}", len(tree), median_ms(draft, args.repeats),
-                     median_ms(verify(tree.tokens.tolist(), tree), args.repeats)))
+        drafts.append((f"tree {spec}", draft, lambda draft=draft: (lambda t: (t.tokens.tolist(), t))(draft())))
+    for name, draft, drafted in drafts:
+        tokens, tree = drafted()
+        rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats),
+                     median_ms(verify(tokens, tree, gqa=False), args.repeats)))
 
     print(f"{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
-          f"{'τ for 1.5x':>12}")
+          f"{'τ for 1.5x':>12}{'verify, K/V repeated':>22}")
     parts = [f"ar_ms={ar:.1f}"]
-    for name, n, draft_ms, verify_ms in rows:
+    for name, n, draft_ms, verify_ms, repeated_ms in rows:
         ratio = (draft_ms + verify_ms) / ar
         print(f"{name:<16}{n:>9}{draft_ms:>10.1f}{verify_ms:>11.1f}{draft_ms + verify_ms:>10.1f}{ratio:>10.2f}"
-              f"{1.5 * ratio:>12.2f}")
+              f"{1.5 * ratio:>12.2f}{repeated_ms:>22.1f}")
         if name != "autoregressive":
-            parts.append(f"ratio_{name.replace(' ', '').replace(',', '_')}={ratio:.3f}")
+            key = name.replace(" ", "").replace(",", "_")
+            parts += [f"ratio_{key}={ratio:.3f}", f"repeat_kv_{key}={repeated_ms / verify_ms:.3f}"]
     print("RESULT " + " ".join(parts))
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,6 +70,30 @@ def frozen_embedding(weight: torch.Tensor) -> nn.Embedding:
     emb = nn.Embedding(weight.shape[0], weight.shape[1])
     emb.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
     return emb
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextmanager
+def grouped_query_sdpa(enabled: bool):
+    """Let transformers' SDPA attention call torch's grouped-query mode (`enable_gqa`) under a mask
+    too, instead of first repeating every cached key and value per query head: with a tree mask or
+    a chain of several tokens that repeat copies the whole KV cache in every layer. transformers
+    reads this switch at each call; it is set only for the duration of one forward. On a GPU a
+    masked grouped-query call leaves the fused kernels: enable it on a CPU."""
+    if not enabled:
+        yield
+        return
+    before = os.environ.get(_FORCE_GQA)
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_FORCE_GQA]
+        else:
+            os.environ[_FORCE_GQA] = before
 
 
 class KVBuffer:

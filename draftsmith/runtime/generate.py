@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, tree_attention_mask, verify_tree, verify_tree_greedy
@@ -58,12 +59,15 @@ class GenerationResult:
 class TargetRunner:
     """A transformers causal LM with its KV cache: forward, read features, roll back."""
 
-    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None):
+    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.cache = None
+        # grouped-query attention without copying K/V per head group (see grouped_query_sdpa); on a
+        # GPU a masked GQA call would leave the fused kernels, so there transformers' default stands
+        self.gqa = self.device.type == "cpu" if gqa is None else gqa
 
     @property
     def device(self) -> torch.device:
@@ -87,7 +91,8 @@ class TargetRunner:
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
             extra = {"attention_mask": tree_attention_mask(tree, cached, self.head.weight.dtype).to(self.device),
                      "position_ids": (cached + depth)[None]}
-        with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured:
+        with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
+                grouped_query_sdpa(self.gqa and len(tokens) > 1):
             out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True,
                                output_hidden_states=captured.fallback, **extra)
         final = out.last_hidden_state[0]
@@ -100,12 +105,19 @@ class TargetRunner:
             self.cache.crop(-remove)
 
     def keep_path(self, start: int, path: list[int]) -> None:
-        """After a tree forward from `start` cached positions: keep the root and the accepted nodes."""
-        index = torch.tensor(list(range(start + 1)) + [start + 1 + i for i in path], device=self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-                raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
-            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+        """After a tree forward from `start` cached positions: keep the root and the accepted nodes.
+        The path's entries move up to follow the root (a few rows per layer) and the rest is cropped;
+        nothing else of the cache is copied."""
+        if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in self.cache.layers):
+            raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
+        nodes = self.cached() - start - 1
+        if path != list(range(len(path))):  # breadth-first order: node i sits at start + 1 + i
+            source = torch.tensor([start + 1 + i for i in path], device=self.device)
+            rows = slice(start + 1, start + 1 + len(path))
+            for layer in self.cache.layers:
+                layer.keys[..., rows, :] = layer.keys.index_select(-2, source)
+                layer.values[..., rows, :] = layer.values.index_select(-2, source)
+        self.rollback(nodes - len(path))
 
     def cached(self) -> int:
         return self.cache.get_seq_length()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.models.common import KVBuffer
+from draftsmith.models.common import KVBuffer, grouped_query_sdpa
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
 
@@ -70,6 +70,7 @@ class FeatureProposer:
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
         self.draftable = self.to_target  # target ids it can draft (None: any)
+        self.gqa = drafter.fc.weight.device.type == "cpu"  # see grouped_query_sdpa
         self.reset()
 
     def reset(self) -> None:
@@ -86,7 +87,8 @@ class FeatureProposer:
         mask = torch.ones(n, self.anchors + n, dtype=torch.bool, device=final.device)
         mask[:, self.anchors:] = torch.ones(n, n, dtype=torch.bool, device=final.device).tril()
         tokens = torch.tensor([next_tokens], device=final.device)
-        out = self.drafter(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
+        with grouped_query_sdpa(self.gqa and n > 1):
+            out = self.drafter(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
         self.anchors += n
         self.hidden = out[:, -1:]
         self.forwards += 1
@@ -153,7 +155,8 @@ class FeatureProposer:
             tokens = torch.tensor([[candidates[c][0] for c in nodes]], device=device)
             parent_hidden = torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None]  # (1, m, H)
             positions = torch.full((1, m), self.anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
-            out = self.drafter(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
+            with grouped_query_sdpa(self.gqa and m > 1):
+                out = self.drafter(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
             self.forwards += 1
             expanded += nodes
             hidden_of.update({c: out[0, r] for r, c in enumerate(nodes)})

@@ -1,5 +1,6 @@
 """METRICS.md proof 7 (trees) and proofs 1, 3, 6 for tree drafts, on tiny random fp32 models."""
 
+import os
 from collections import Counter
 
 import pytest
@@ -64,6 +65,26 @@ def test_every_root_to_leaf_path_matches_the_chain_computation(target):
         path = tree.path(leaf)
         chain = target(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, len(prompt) - 1:]
         torch.testing.assert_close(logits[[0] + [1 + i for i in path]], chain, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_verification_attends_grouped_queries_without_repeating_the_cache(target, monkeypatch):
+    """On a CPU the runner lets SDPA group the query heads itself (the tiny target has 4 heads over 2
+    KV heads) instead of copying every cached key and value per head; the logits do not change."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    repeats, real_repeat = [], sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda x, n: repeats.append(n) or real_repeat(x, n))
+    prompt, tree = [4, 8, 15, 16, 23], hand_tree([42, 7, 9, 11, 30, 2])
+    logits = {}
+    for gqa in (False, True):
+        runner = TargetRunner(target, gqa=gqa)
+        runner.reset()
+        runner.forward(prompt[:-1])
+        repeats.clear()
+        logits[gqa], _, _ = runner.forward([prompt[-1]] + tree.tokens.tolist(), tree)
+        assert bool(repeats) != gqa  # the default path repeats K/V in every layer; the grouped one never
+    assert TargetRunner(target).gqa and "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("keep", [[], [0], [0, 2], [0, 2, 5], [1, 4]])
