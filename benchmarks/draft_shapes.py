@@ -4,7 +4,8 @@
                                       [--limit 20] [--max-new-tokens 128] [--passes 2]
 
 Loads the target and the drafter once, then decodes the same MT-bench first turns greedily with
-every shape (`chainK`: static chains of K; `D,K,T`: EAGLE-2 trees of depth D, top-k K, T tokens)
+every shape (`chainK`: static chains of K; `D,K,T`: EAGLE-2 trees of depth D, top-k K, T tokens;
+`D,K,T,L`: the same with a prompt-lookup branch of up to L tokens grafted on)
 and with the target alone, in `--passes` passes (each opens with the target alone, then runs the
 shapes, in reverse order on every other pass so that drift within a pass evens out). Speedup =
 a shape's tokens/s over the target-alone tokens/s of the same pass, median over passes. τ does not depend
@@ -34,13 +35,14 @@ def main() -> None:
         raise SystemExit(f"no drafter export at {args.drafter}: run `draftsmith run RECIPE` or `draftsmith export`")
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.eval.evaluate import EvalConfig, load_proposer
+    from draftsmith.eval.evaluate import load_proposer
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.runtime.tree import TreeShape
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
     proposer, what = load_proposer(args.drafter, target)
@@ -52,7 +54,7 @@ def main() -> None:
         if spec.startswith("chain"):
             arms[spec] = (proposer, None, int(spec[len("chain"):]))
         else:
-            arms[spec] = (proposer, EvalConfig(target="", tree=spec).tree_shape(), 0)
+            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec.split(","))), 0)
     sampling, eos = SamplingConfig(), target.eos_token_ids
     print(f"drafter: {what}; {len(prompts)} MT-bench first turns x {args.max_new_tokens} tokens, greedy, "
           f"{args.dtype}, {args.passes} passes", flush=True)

@@ -1,7 +1,8 @@
 """τ and wall-clock speedup of a drafter on MT-bench, greedy and temperature 1, one run.
 
     python benchmarks/speedup.py [--drafter DIR] [--limit 80] [--max-new-tokens 256]
-                                 [--tree 5,6,24 | --tree chain --k 4] [--temperatures 0,1] [--repeats 1]
+                                 [--tree 5,6,24 | --tree chain --k 4] [--lookup 0] [--temperatures 0,1]
+                                 [--repeats 1]
 
 DIR is a native export (default: the hass-cpu-full recipe's, written by
 `draftsmith run recipes/smollm2-135m/hass-cpu-full.yaml`). Both arms use the same dtype.
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tree", default="5,6,24", help="DEPTH,TOPK,TOKENS, or 'chain'")
+    ap.add_argument("--lookup", type=int, default=0, help="a prompt-lookup branch of up to N tokens on every tree")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--policy", default="static")
     ap.add_argument("--dtype", default="bfloat16")
@@ -42,7 +44,7 @@ def main() -> None:
         cfg = EvalConfig(target="embedded:smollm2-135m-instruct", drafter=args.drafter, prompts="mtbench",
                          limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=temperature,
                          policy=args.policy, k=args.k, tree=None if args.tree == "chain" else args.tree,
-                         dtype=args.dtype, repeats=args.repeats,
+                         lookup=args.lookup, dtype=args.dtype, repeats=args.repeats,
                          out=str(ROOT / "runs" / "bench-speedup" / label))
         r = evaluate(cfg)
         figures[label] = r

@@ -166,8 +166,8 @@ def export(checkpoint: str, format: str = "native", out: str = "export", specula
 def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
          turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
          top_k: int | None = None, top_p: float | None = None, policy: str = "cost", k: int = 4,
-         threshold: float = 0.4, tree: str | None = None, head_vocab: int = 8192, dtype: str = "bfloat16",
-         device: str = "cpu", repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
+         threshold: float = 0.4, tree: str | None = None, lookup: int = 0, head_vocab: int = 8192,
+         dtype: str = "bfloat16", device: str = "cpu", repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
     """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
 
     Writes OUT/results.json and PNG plots, and prints a table per category.
@@ -189,6 +189,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
         threshold: the confidence policy's threshold.
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy.
+        lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
+            tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
         head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
             head computed over those rows only (exports carry the counts); 0 = the full head.
         dtype: target and drafter dtype (the same for both arms).
@@ -204,8 +206,8 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
     cfg = EvalConfig(target=target, drafter=drafter, prompts=prompts, limit=limit, turns=turns, data=data,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, policy=policy,
-                     k=k, threshold=threshold, tree=tree, head_vocab=head_vocab, dtype=dtype, device=device,
-                     repeats=repeats, seed=seed, out=out)
+                     k=k, threshold=threshold, tree=tree, lookup=lookup, head_vocab=head_vocab, dtype=dtype,
+                     device=device, repeats=repeats, seed=seed, out=out)
     results = evaluate(cfg)
     from pathlib import Path
 
@@ -217,7 +219,7 @@ def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mt
 
 
 def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_tokens: int = 128,
-        temperature: float = 0.0, policy: str = "cost", k: int = 4, tree: str | None = None,
+        temperature: float = 0.0, policy: str = "cost", k: int = 4, tree: str | None = None, lookup: int = 0,
         dtype: str = "bfloat16", repeats: int = 3, out: str | None = None) -> None:
     """Run a recipe end to end: extract → fit → export → eval; each finished stage is skipped on a rerun.
 
@@ -234,6 +236,7 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
         policy: draft-length policy: cost, static, heuristic, confidence or oracle.
         k: draft length (or its maximum).
         tree: EAGLE-2 tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32); omit for chain drafts.
+        lookup: with --tree, a prompt-lookup branch of up to this many tokens on every tree; 0 = off.
         dtype: dtype of target and drafter during evaluation.
         repeats: timed repeats after a warm-up.
         out: where to write the export and the evaluation (default: the recipe's default_root_dir).
@@ -243,7 +246,7 @@ def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_t
     from draftsmith.pipeline import run_recipe
 
     run_recipe(recipe, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
-               policy=policy, k=k, tree=tree, dtype=dtype, repeats=repeats, out=out, console=Console())
+               policy=policy, k=k, tree=tree, lookup=lookup, dtype=dtype, repeats=repeats, out=out, console=Console())
 
 
 COMMANDS = {"data": {"stats": data_stats}, "regenerate": regenerate, "extract": extract, "export": export,

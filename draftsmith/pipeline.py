@@ -66,7 +66,8 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
 
 
 def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,
-               k: int, dtype: str, repeats: int, out: str | None, console: Any, tree: str | None = None) -> dict[str, Any]:
+               k: int, dtype: str, repeats: int, out: str | None, console: Any, tree: str | None = None,
+               lookup: int = 0) -> dict[str, Any]:
     import torch
     import yaml
 
@@ -105,8 +106,8 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     # 4. evaluation
     console.rule("[bold]4/4 eval")
     cfg = EvalConfig(target=model["target"], drafter=exported["out"], prompts=prompts, limit=limit,
-                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree, dtype=dtype,
-                     repeats=repeats, out=str(root / "eval"))
+                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree,
+                     lookup=lookup, dtype=dtype, repeats=repeats, out=str(root / "eval"))
     results = evaluate(cfg, console)
     results["checkpoint"] = str(best)
     json_path = write_results(results, Path(cfg.out))

@@ -27,6 +27,7 @@ class EvalConfig:
     k: int = 4
     threshold: float = 0.4
     tree: str | None = None  # DEPTH,TOPK,TOKENS: EAGLE-2 tree drafting instead of chains
+    lookup: int = 0  # with a tree: a prompt-lookup branch of up to this many tokens grafted on it
     head_vocab: int = 8192  # a standalone drafter's head over its most frequent training tokens; 0 = full
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -43,6 +44,8 @@ class EvalConfig:
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
         if self.tree in ("", "none", "chain"):
             self.tree = None
+        if self.lookup and self.tree is None:
+            raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         self.tree_shape()
 
     def tree_shape(self) -> Any:
@@ -55,7 +58,7 @@ class EvalConfig:
             depth, topk, total = (int(x) for x in str(self.tree).strip("[]() ").split(","))
         except ValueError:
             raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {self.tree!r}") from None
-        return TreeShape(depth, topk, total)
+        return TreeShape(depth, topk, total, self.lookup)
 
 
 def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tuple[Any, str]:

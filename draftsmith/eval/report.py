@@ -28,7 +28,8 @@ def table(results: dict[str, Any]) -> Any:
               f"{acc['mean_accepted']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
               f"{speed['autoregressive']['tokens_per_second']:.1f}", f"[bold]{speed['speedup']:.2f}x")
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
-    drafts = f"tree {results['config']['tree']} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
+    lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
+    drafts = f"tree {results['config']['tree']}{lookup} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
         if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
     t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")

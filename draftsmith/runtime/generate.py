@@ -20,7 +20,8 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
-from draftsmith.runtime.tree import DraftTree, TreeShape, tree_attention_mask, verify_tree, verify_tree_greedy
+from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, tree_attention_mask, verify_tree,
+                                     verify_tree_greedy)
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
 # π = rule(q_raw, q_scaled, p_raw, p_scaled), each (K, V); None means exact (π = p)
@@ -111,7 +112,7 @@ class TargetRunner:
         if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in self.cache.layers):
             raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
         nodes = self.cached() - start - 1
-        if path != list(range(len(path))):  # breadth-first order: node i sits at start + 1 + i
+        if path != list(range(len(path))):  # node i sits at start + 1 + i
             source = torch.tensor([start + 1 + i for i in path], device=self.device)
             rows = slice(start + 1, start + 1 + len(path))
             for layer in self.cache.layers:
@@ -142,12 +143,15 @@ def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], polic
     return draft[:accepted], token, (final, aux), (k, k)
 
 
-def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape: TreeShape, max_depth: int,
+def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape: TreeShape, room: int,
                 sampling: SamplingConfig, generator: torch.Generator | None):
-    """Draft an EAGLE-2 tree, verify it in one target forward under the tree mask, keep the
-    accepted path's cache entries. Same returns as `_chain_round`, features of the path rows."""
+    """Draft an EAGLE-2 tree (with a prompt-lookup branch grafted on when the shape asks), verify it
+    in one target forward under the tree mask, keep the accepted path's cache entries. Same returns
+    as `_chain_round`, features of the path rows. `room`: drafted tokens that can still be committed."""
     start = runner.cached()
-    tree = proposer.propose_tree(replace(shape, depth=max_depth))
+    tree = proposer.propose_tree(replace(shape, depth=min(shape.depth, room)))
+    if shape.lookup:
+        tree = graft(tree, lookup_continuation(sequence, min(shape.lookup, room)))
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:
         path, token = verify_tree_greedy(tree, greedy_tokens(logits))
@@ -193,7 +197,7 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
                 runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
             accepted, token, (final, aux), (k, depth) = _tree_round(
-                runner, proposer, sequence, tree, min(tree.depth, room), sampling, generator)
+                runner, proposer, sequence, tree, room, sampling, generator)
         new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
             if x in eos_token_ids:

@@ -7,6 +7,12 @@ one drafter forward, each into its top-k children. After `depth` levels the `tot
 best nodes of everything drafted are kept (reranking); a child never scores above its parent,
 so the kept set is closed under ancestors.
 
+Prompt lookup (`TreeShape.lookup`, as transformers' `prompt_lookup_num_tokens` and Saxena's prompt
+lookup decoding): the tokens that followed the latest earlier occurrence of the sequence's
+ending are grafted on the tree as one more branch, sharing the drafter's nodes as far as they
+agree. Text that repeats itself (quoted passages, lists, loops) is then drafted many tokens deep
+at the price of a few verified rows.
+
 Verification: every node is a deterministic draft (q = one-hot). Greedy decoding follows the
 child that equals the target's argmax. Sampling is sibling-wise: at a node with target law p,
 each child x in turn is accepted with probability p(x); on rejection p(x) is zeroed and p
@@ -30,20 +36,25 @@ from draftsmith.runtime.sampling import sample
 @dataclass(frozen=True)
 class TreeShape:
     """EAGLE-2's tree parameters: expand `topk` nodes per level into `topk` children each, for
-    `depth` levels, then keep the `total_tokens` best nodes."""
+    `depth` levels, then keep the `total_tokens` best nodes; `lookup` > 0 grafts a prompt-lookup
+    branch of up to that many tokens on top."""
 
     depth: int = 5
     topk: int = 8
     total_tokens: int = 32
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.total_tokens < 1:
             raise DraftsmithError(f"tree depth, topk and total_tokens must be >= 1, got {self}")
+        if self.lookup < 0:
+            raise DraftsmithError(f"prompt lookup takes a number of tokens >= 0 (0: off), got {self.lookup}")
 
 
 @dataclass
 class DraftTree:
-    """n drafted nodes in breadth-first order (parents before children, siblings by score).
+    """n drafted nodes, parents before children: breadth-first (siblings by score) as drafted, a
+    grafted prompt-lookup branch after them.
 
     tokens (n,) target ids; parents (n,) the parent's index, -1 for the root (the pending
     token); depth (n,) 1 for the root's children; scores (n,) cumulative log-probability.
@@ -80,7 +91,7 @@ class DraftTree:
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors.
 
-    `parents` must list parents before children (breadth-first order)."""
+    `parents` must list parents before children."""
     n = parents.shape[0]
     anc = torch.eye(n, dtype=torch.bool, device=parents.device)
     for i, parent in enumerate(parents.tolist()):
@@ -122,6 +133,49 @@ def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int,
                      parents=torch.tensor(parents, dtype=torch.long, device=device),
                      depth=torch.tensor([candidates[c][3] for c in nodes], dtype=torch.long, device=device),
                      scores=torch.tensor([candidates[c][2] for c in nodes], dtype=torch.float32, device=device))
+
+
+def lookup_continuation(sequence: list[int], max_tokens: int, min_match: int = 2, max_match: int = 4) -> list[int]:
+    """Up to `max_tokens` tokens that followed the latest earlier occurrence of the sequence's last
+    `min_match`..`max_match` tokens (the longest such ending wins, then the latest occurrence); []
+    when the ending never occurred before."""
+    n, last = len(sequence), sequence[-1] if sequence else None
+    best, best_len = -1, min_match - 1
+    for s in range(n - 2, -1, -1):  # s: where an earlier copy of the ending ends
+        if sequence[s] != last:
+            continue
+        m = 1
+        while m < max_match and m <= s and sequence[s - m] == sequence[n - 1 - m]:
+            m += 1
+        if m > best_len:
+            best, best_len = s, m
+            if m == max_match:
+                break
+    return sequence[best + 1: best + 1 + max_tokens] if best >= 0 and max_tokens > 0 else []
+
+
+def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """The tree with `chain` drafted from the root: its tokens follow existing nodes as long as they
+    match and continue as new nodes (appended, parents before children) from the first that does not."""
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    node, new_tokens, new_parents, new_depth = -1, [], [], []
+    for depth, token in enumerate(chain, 1):
+        match = next((c for c in kids[node + 1] if tokens[c] == token), None) if node < len(tree) else None
+        if match is None:  # from here on the chain is new
+            new_tokens.append(token)
+            new_parents.append(node)
+            new_depth.append(depth)
+            node = len(tree) + len(new_tokens) - 1
+        else:
+            node = match
+    if not new_tokens:
+        return tree
+    device = tree.tokens.device
+    parent_score = tree.scores[new_parents[0]] if new_parents[0] >= 0 else torch.zeros((), device=device)
+    return DraftTree(tokens=torch.cat([tree.tokens, torch.tensor(new_tokens, dtype=torch.long, device=device)]),
+                     parents=torch.cat([tree.parents, torch.tensor(new_parents, dtype=torch.long, device=device)]),
+                     depth=torch.cat([tree.depth, torch.tensor(new_depth, dtype=torch.long, device=device)]),
+                     scores=torch.cat([tree.scores, parent_score.float().expand(len(new_tokens))]))
 
 
 def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:

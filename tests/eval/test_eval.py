@@ -53,13 +53,15 @@ def test_eval_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
 
 def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
     result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "2", "--repeats", "1",
-                                      "--tree", "3,2,5")
-    assert results["config"]["tree"] == "3,2,5"
+                                      "--tree", "3,2,5", "--lookup", "4")
+    assert results["config"]["tree"] == "3,2,5" and results["config"]["lookup"] == 4
     acc = results["acceptance"]
-    assert 1.0 <= acc["tau"] <= 4.0 and len(acc["alpha"]) <= 3 and 1 <= acc["mean_tree_size"] <= 5
-    assert "tree 3,2,5" in result.stdout
+    assert 1.0 <= acc["tau"] <= 5.0 and len(acc["alpha"]) <= 4 and 1 <= acc["mean_tree_size"] <= 5 + 4
+    assert "tree 3,2,5 + prompt lookup 4" in " ".join(result.stdout.split())
     bad = run_cli("eval", "--target", str(tiny_features / "target"), "--tree", "5x8", "--out", str(tmp_path / "e2"))
     assert bad.returncode == 2 and "DEPTH,TOPK,TOKENS" in bad.stderr
+    bad = run_cli("eval", "--target", str(tiny_features / "target"), "--lookup", "4", "--out", str(tmp_path / "e3"))
+    assert bad.returncode == 2 and "--tree" in bad.stderr
 
 
 def test_eval_records_the_load_and_warns_when_other_work_shared_the_cpu(tiny_features, tmp_path, monkeypatch):

@@ -12,8 +12,8 @@ from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
-from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, tree_attention_mask,
-                                     verify_tree)
+from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, graft, lookup_continuation,
+                                     tree_attention_mask, verify_tree)
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
 from tests.runtime.test_generate import exact_law, proposers
@@ -112,14 +112,15 @@ def test_reranking_keeps_the_best_ancestor_closed_nodes():
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-@pytest.mark.parametrize("shape", [TreeShape(1, 3, 3), TreeShape(3, 2, 5), TreeShape(5, 4, 12)])
+@pytest.mark.parametrize("shape", [TreeShape(1, 3, 3), TreeShape(3, 2, 5), TreeShape(5, 4, 12), TreeShape(3, 2, 5, 4)])
 def test_greedy_tree_output_is_the_targets_own(target, kind, shape):
     proposer = feature_proposers(target)[kind]
     runner = TargetRunner(target, proposer.aux_layer_ids)
     for prompt, expected in greedy_cases(target):
         out = generate(runner, proposer, prompt, 24, Static(0), tree=shape)
         assert out.tokens == expected
-        assert all(r.tree_size <= shape.total_tokens and r.depth <= shape.depth for r in out.rounds)
+        assert all(r.tree_size <= shape.total_tokens + shape.lookup and r.depth <= max(shape.depth, shape.lookup)
+                   for r in out.rounds)
         assert all(r.drafter_forwards <= shape.depth for r in out.rounds)  # one per level + the observe
 
 
@@ -169,15 +170,16 @@ def test_sibling_wise_sampling_is_lossless_at_one_node():
     assert chi2 < 20.5, (chi2, counts)  # chi-square(4): 0.1% tail at 18.5
 
 
-@pytest.mark.parametrize("cfg, shape", [(SamplingConfig(temperature=1.0), TreeShape(2, 2, 4)),
-                                        (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5)),
-                                        (SamplingConfig(temperature=1.3, top_p=0.8), TreeShape(2, 3, 6))])
-def test_multi_step_tree_sampling_is_lossless(cfg, shape):
+@pytest.mark.parametrize("cfg, shape, prompt", [
+    (SamplingConfig(temperature=1.0), TreeShape(2, 2, 4), [1, 2]),
+    (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5), [1, 2]),
+    (SamplingConfig(temperature=1.3, top_p=0.8), TreeShape(2, 3, 6), [1, 2]),
+    (SamplingConfig(temperature=1.0), TreeShape(1, 2, 2, lookup=3), [1, 2, 3, 1, 2])])  # a grafted branch 3 1 2
+def test_multi_step_tree_sampling_is_lossless(cfg, shape, prompt):
     tv, length, n = 4, 3, 2000
     target = make_llama(tv, seed=3, hidden=16, layers=1)
     torch.manual_seed(5)
     drafter = EagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight)
-    prompt = [1, 2]
     law = exact_law(target, prompt, length, cfg)
     g = torch.Generator().manual_seed(0)
     runner, proposer = TargetRunner(target), FeatureProposer(drafter, tv)
@@ -214,3 +216,58 @@ def test_trees_refuse_what_they_cannot_do(target):
         generate(runner, feature_proposers(target)["eagle"], [1, 2], 5, Static(2), rule=lambda *a: a[3], tree=TreeShape())
     with pytest.raises(DraftsmithError, match=">= 1"):
         TreeShape(depth=0)
+
+
+def test_lookup_continuation_follows_the_latest_longest_earlier_match():
+    seq = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
+    assert lookup_continuation(seq, 3) == [9, 2, 3]  # "1 2 3" (3 tokens) beats the later "2 3"
+    assert lookup_continuation([5, 2, 3, 7, 5, 2, 3, 6, 4, 2, 3], 2) == [6, 4]  # equal length: the latest
+    assert lookup_continuation([4, 4, 4], 5) == [4]  # a loop predicts itself
+    assert lookup_continuation([1, 2, 3, 4], 3) == [] and lookup_continuation([1, 2, 5, 2], 3) == []  # 1 < min_match
+    assert lookup_continuation(seq, 0) == [] and lookup_continuation([], 3) == []
+
+
+def test_graft_shares_matching_nodes_and_appends_the_rest():
+    tree = hand_tree([42, 7, 9, 11, 30, 2])  # 42 -> 9 -> 2 is a path
+    grafted = graft(tree, [42, 9, 5, 6])
+    assert grafted.tokens.tolist() == [42, 7, 9, 11, 30, 2, 5, 6]
+    assert grafted.parents.tolist() == PARENTS.tolist() + [2, 6] and grafted.depth.tolist()[6:] == [3, 4]
+    assert grafted.path(7) == [0, 2, 6, 7]
+    ancestor_matrix(grafted.parents)  # parents before children
+    assert graft(tree, [42, 9, 2]) is tree and graft(tree, []) is tree
+    fresh = graft(tree, [8, 8])
+    assert fresh.parents.tolist()[6:] == [-1, 6] and fresh.depth.tolist()[6:] == [1, 2]
+
+
+def test_prompt_lookup_branch_is_accepted_as_far_as_it_agrees(target):
+    """With a drafter that is always wrong, every accepted token comes from the grafted branch: each
+    round accepts exactly the common prefix of the lookup continuation and the target's own output."""
+
+    class Wrong(FeatureProposer):
+        def reset(self):
+            super().reset()
+            self.seen = []
+
+        def observe(self, next_tokens, final, aux):
+            self.seen = self.seen + list(next_tokens)
+            super().observe(next_tokens, final, aux)
+
+        def propose_tree(self, shape):  # seen = the sequence after its first token
+            token = int(target(torch.tensor([prompt[:1] + self.seen])).logits[0, -1].argmax())
+            return build_tree([((token + 1) % V, -1, -1.0, 1)], 1, torch.device("cpu"))
+
+    wrong = Wrong(feature_proposers(target)["eagle"].drafter, V)
+    agreed = 0
+    for prompt, expected in greedy_cases(target, new_tokens=40):
+        out = generate(TargetRunner(target), wrong, prompt, 40, Static(0), tree=TreeShape(1, 1, 1, lookup=4))
+        assert out.tokens == expected
+        done = 1  # the prefill commits the first token
+        for r in out.rounds:
+            branch, rest = lookup_continuation(prompt + out.tokens[:done], min(4, 40 - done - 1)), out.tokens[done:]
+            common = 0
+            while common < min(len(branch), len(rest)) and branch[common] == rest[common]:
+                common += 1
+            assert r.accepted == common
+            agreed += common
+            done += r.committed
+    assert agreed > 0  # the test cases do repeat themselves
