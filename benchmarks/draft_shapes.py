@@ -66,6 +66,7 @@ def main() -> None:
 
     for name in arms:  # warm-up
         decode(name, 1, 16)
+
     def rate(results) -> float:
         return sum(len(r.tokens) for r in results) / sum(r.seconds for r in results)
 

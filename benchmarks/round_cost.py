@@ -105,16 +105,16 @@ def main() -> None:
     ar = median_ms(verify([]), args.repeats)
     rows = [("autoregressive", 1, 0.0, ar, ar)]
     sampling = SamplingConfig()
-    drafts = []
+    drafts = []  # (name, one drafter round, whether it drafts a tree)
     for k in (int(x) for x in args.chains.split(",") if x):
-        draft = drafter_round(lambda k=k: proposer.propose(prompt, Static(k), k, sampling, None))
-        drafts.append((f"chain {k}", draft, lambda draft=draft: (draft()[0], None)))
+        drafts.append((f"chain {k}", drafter_round(lambda k=k: proposer.propose(prompt, Static(k), k, sampling, None)),
+                       False))
     for spec in args.trees:
         shape = EvalConfig(target="", tree=spec).tree_shape()
-        draft = drafter_round(lambda shape=shape: proposer.propose_tree(shape))
-        drafts.append((f"tree {spec}", draft, lambda draft=draft: (lambda t: (t.tokens.tolist(), t))(draft())))
-    for name, draft, drafted in drafts:
-        tokens, tree = drafted()
+        drafts.append((f"tree {spec}", drafter_round(lambda shape=shape: proposer.propose_tree(shape)), True))
+    for name, draft, is_tree in drafts:
+        drafted = draft()
+        tokens, tree = (drafted.tokens.tolist(), drafted) if is_tree else (drafted[0], None)
         rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats),
                      median_ms(verify(tokens, tree, gqa=False), args.repeats)))
 

@@ -158,24 +158,22 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     """The tree with `chain` drafted from the root: its tokens follow existing nodes as long as they
     match and continue as new nodes (appended, parents before children) from the first that does not."""
     kids, tokens = tree.children(), tree.tokens.tolist()
-    node, new_tokens, new_parents, new_depth = -1, [], [], []
-    for depth, token in enumerate(chain, 1):
-        match = next((c for c in kids[node + 1] if tokens[c] == token), None) if node < len(tree) else None
-        if match is None:  # from here on the chain is new
-            new_tokens.append(token)
-            new_parents.append(node)
-            new_depth.append(depth)
-            node = len(tree) + len(new_tokens) - 1
-        else:
-            node = match
-    if not new_tokens:
+    node, shared = -1, 0  # the deepest node the chain shares with the tree, and its depth
+    for token in chain:
+        match = next((c for c in kids[node + 1] if tokens[c] == token), None)
+        if match is None:
+            break
+        node, shared = match, shared + 1
+    rest = chain[shared:]
+    if not rest:
         return tree
-    device = tree.tokens.device
-    parent_score = tree.scores[new_parents[0]] if new_parents[0] >= 0 else torch.zeros((), device=device)
-    return DraftTree(tokens=torch.cat([tree.tokens, torch.tensor(new_tokens, dtype=torch.long, device=device)]),
-                     parents=torch.cat([tree.parents, torch.tensor(new_parents, dtype=torch.long, device=device)]),
-                     depth=torch.cat([tree.depth, torch.tensor(new_depth, dtype=torch.long, device=device)]),
-                     scores=torch.cat([tree.scores, parent_score.float().expand(len(new_tokens))]))
+    n, device = len(tree), tree.tokens.device
+    parents = [node] + list(range(n, n + len(rest) - 1))
+    score = tree.scores[node] if node >= 0 else torch.zeros((), device=device)
+    return DraftTree(tokens=torch.cat([tree.tokens, torch.tensor(rest, dtype=torch.long, device=device)]),
+                     parents=torch.cat([tree.parents, torch.tensor(parents, dtype=torch.long, device=device)]),
+                     depth=torch.cat([tree.depth, torch.arange(shared + 1, shared + 1 + len(rest), device=device)]),
+                     scores=torch.cat([tree.scores, score.float().expand(len(rest))]))
 
 
 def verify_tree_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
