@@ -267,6 +267,8 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     # draftsmith's DataModules resume mid-epoch themselves (their state_dict records the batches
     # done; a test shows bit-identical weights), so Lightning's "dataloader is not resumable" is moot
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates: nothing a user can change
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear
-from draftsmith.train.losses import forward_kl
+from draftsmith.train.losses import forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
 
@@ -116,11 +116,11 @@ class DistillModule(pl.LightningModule):
         loss = self._step(batch, with_metrics=False)
         if not torch.isfinite(loss):
             raise DraftsmithError(f"non-finite loss at step {self.global_step}: {float(loss)}; lower the learning rate")
-        self.log("train/kl", loss, prog_bar=True)
+        self.log("train/kl", loss, prog_bar=True, batch_size=loss_tokens(batch))
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self.log("val/kl", self._step(batch, with_metrics=True), sync_dist=True)
+        self.log("val/kl", self._step(batch, with_metrics=True), sync_dist=True, batch_size=loss_tokens(batch))
 
     def on_validation_epoch_end(self) -> None:
         m = self.val_metric.compute()

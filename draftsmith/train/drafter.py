@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
-from draftsmith.train.losses import feature_regression, head_distillation, step_weights, target_mix, uniform_noise
+from draftsmith.train.losses import (feature_regression, head_distillation, loss_tokens, step_weights, target_mix,
+                                     uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
 
@@ -266,7 +267,7 @@ class DrafterModule(pl.LightningModule):
                 f"non-finite loss at step {self.global_step} (batch {batch_idx}): {bad}; check the features "
                 "for inf/NaN (bf16 overflow), lower the learning rate, or enable gradient clipping"
             )
-        tokens = int((batch["loss_mask"] & batch["attention_mask"]).sum())
+        tokens = loss_tokens(batch)
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=tokens)
         for k, v in out.items():
             if k != "loss":
@@ -275,7 +276,7 @@ class DrafterModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         out = self.alignment_forward(batch, with_metrics=True)
-        self.log("val/loss", out["loss"], batch_size=int(batch["loss_mask"].sum()), sync_dist=True)
+        self.log("val/loss", out["loss"], batch_size=loss_tokens(batch), sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         for k, v in self.val_metric.compute().items():

@@ -9,6 +9,11 @@ import torch
 import torch.nn.functional as F
 
 
+def loss_tokens(batch: dict) -> int:
+    """Real assistant tokens in a batch: the weight Lightning gives its logged per-token losses."""
+    return int((batch["loss_mask"].bool() & batch["attention_mask"].bool()).sum())
+
+
 def _masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(per_position.dtype)
     return (per_position * mask).sum() / mask.sum().clamp_min(1.0)
