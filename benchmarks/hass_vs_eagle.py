@@ -28,13 +28,6 @@ are cheap (~1.2 and ~2.8 s here, against ~8 s for the hass-cpu arm's full head),
 budgets where step 1 is good enough for the later steps to count (the README has its figures).
 """
 
-PAIRS = {  # name: ((baseline arm, recipe, overrides), (aligned arm, recipe, overrides))
-    "eagle-hass": (("eagle", "recipes/smollm2-135m/eagle-cpu.yaml", ()),
-                   ("hass", "recipes/smollm2-135m/hass-cpu.yaml", ())),
-    "eagle3": (("ttt1", "recipes/smollm2-135m/hass-cpu-full.yaml", ("--model.init_args.alignment_steps", "1")),
-               ("ttt3", "recipes/smollm2-135m/hass-cpu-full.yaml", ())),
-}
-
 from __future__ import annotations
 
 import argparse
@@ -42,6 +35,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+PAIRS = {  # name: ((baseline arm, recipe, overrides), (aligned arm, recipe, overrides))
+    "eagle-hass": (("eagle", "recipes/smollm2-135m/eagle-cpu.yaml", ()),
+                   ("hass", "recipes/smollm2-135m/hass-cpu.yaml", ())),
+    "eagle3": (("ttt1", "recipes/smollm2-135m/hass-cpu-full.yaml", ("--model.init_args.alignment_steps", "1")),
+               ("ttt3", "recipes/smollm2-135m/hass-cpu-full.yaml", ())),
+}
 
 
 def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: tuple[str, ...] = (),
@@ -138,7 +138,8 @@ def main() -> None:
         for name, module in modules.items():
             stats = decode_tau(module, target, prompts, args.max_new_tokens, args.tree)
             taus[name] = stats["tau"]
-            print(f"{name}: decoding {len(prompts)} MT-bench prompts x {args.max_new_tokens} tokens, trees {args.tree}: "
+            print(f"{name}: decoding {len(prompts)} MT-bench prompts x {args.max_new_tokens} tokens, "
+                  f"trees {args.tree}: "
                   f"tau {stats['tau']:.3f}, alpha by depth {[round(a, 3) for a in stats['alpha'] if a is not None]}",
                   flush=True)
         line += (f" tau_decode_{base}={taus[base]:.3f} tau_decode_{aligned}={taus[aligned]:.3f}"
