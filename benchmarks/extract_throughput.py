@@ -46,8 +46,10 @@ def main() -> None:
     # the same parts and batches extraction builds
     batches = []
     for p in range(0, len(convs), cfg.shard_size):
-        chats = tokenize_many(target.tokenizer, convs[p : p + cfg.shard_size], cfg.max_length, Counter(), Counter(), MaskAudit())
-        batches += [[chats[i] for i in b] for b in batches_by_length([len(c.input_ids) for c in chats], cfg.batch_tokens)]
+        chats = tokenize_many(target.tokenizer, convs[p : p + cfg.shard_size], cfg.max_length,
+                              Counter(), Counter(), MaskAudit())
+        lengths = [len(c.input_ids) for c in chats]
+        batches += [[chats[i] for i in b] for b in batches_by_length(lengths, cfg.batch_tokens)]
     tokens = sum(len(c.input_ids) for b in batches for c in b)
 
     def plain() -> float:
@@ -69,7 +71,8 @@ def main() -> None:
     for r in range(args.repeats):
         rates["plain"].append(plain())
         rates["extract"].append(extraction())
-        print(f"repeat {r + 1}: plain {rates['plain'][-1]:,.0f} tok/s, extract {rates['extract'][-1]:,.0f} tok/s", flush=True)
+        print(f"repeat {r + 1}: plain {rates['plain'][-1]:,.0f} tok/s, "
+              f"extract {rates['extract'][-1]:,.0f} tok/s", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["extract"] / med["plain"]
     print(f"{tokens:,} tokens in {len(batches)} batches, layers final + {args.layer_ids}, {args.dtype}, "

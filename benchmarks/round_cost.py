@@ -51,7 +51,8 @@ def fresh_eagle3(target, layer_ids: list[int], draft_vocab: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", default=None, help="a native feature-drafter export (default: a fresh EAGLE-3 drafter)")
+    ap.add_argument("--drafter", default=None,
+                    help="a native feature-drafter export (default: a fresh EAGLE-3 drafter)")
     ap.add_argument("--context", type=int, default=400, help="tokens in the caches")
     ap.add_argument("--chains", default="3,4", help="chain lengths K")
     ap.add_argument("--trees", nargs="*", default=["4,4,12", "5,6,24", "5,8,32", "6,8,40"], help="DEPTH,TOPK,TOKENS")

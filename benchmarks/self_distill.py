@@ -41,7 +41,8 @@ def ensure_features(data: str, limit: int, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=400)
-    ap.add_argument("--self-limit", type=int, default=None, help="chats regenerated for the self arm (default: --limit)")
+    ap.add_argument("--self-limit", type=int, default=None,
+                    help="chats regenerated for the self arm (default: --limit)")
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--decode-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -60,7 +61,8 @@ def main() -> None:
     chats = runs / "sharegpt-self.jsonl"
     summary = regenerate(RegenerateConfig(target=TARGET, data="sharegpt", out=str(chats), limit=self_limit,
                                           max_new_tokens=256, max_length=1024))
-    print(f"regenerated chats: {chats} ({summary['already_done'] + summary['conversations']} conversations)", flush=True)
+    conversations = summary['already_done'] + summary['conversations']
+    print(f"regenerated chats: {chats} ({conversations} conversations)", flush=True)
     arms = {"sharegpt": ("sharegpt", args.limit, runs / f"features-sharegpt-{args.limit}"),
             "self": (str(chats), self_limit, runs / f"features-self-{self_limit}")}
     for name, (data, limit, features) in arms.items():
@@ -78,7 +80,8 @@ def main() -> None:
         taus[name] = stats["tau"]
         print(f"{name}: val tau {figures['tau']:.3f} (own validation split), MT-bench decoding {len(prompts)} x "
               f"{args.max_new_tokens} tokens, trees {args.tree}: tau {stats['tau']:.3f}, alpha by depth "
-              f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training", flush=True)
+              f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training",
+              flush=True)
     print(f"RESULT tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
           f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit} self_limit={self_limit}")
 

@@ -29,7 +29,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tree", default="4,4,12", help="DEPTH,TOPK,TOKENS, or 'chain'")
-    ap.add_argument("--lookup", type=int, default=6, help="a prompt-lookup branch of up to N tokens on every tree (0: off)")
+    ap.add_argument("--lookup", type=int, default=6,
+                    help="a prompt-lookup branch of up to N tokens on every tree (0: off)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--policy", default="static")
     ap.add_argument("--dtype", default="bfloat16")
@@ -50,7 +51,8 @@ def main() -> None:
         r = evaluate(cfg)
         figures[label] = r
         s = r["speed"]
-        print(f"{label}: tau {r['acceptance']['tau']:.2f}, alpha {[round(a, 2) for a in r['acceptance']['alpha'] if a]}, "
+        alpha = [round(a, 2) for a in r['acceptance']['alpha'] if a]
+        print(f"{label}: tau {r['acceptance']['tau']:.2f}, alpha {alpha}, "
               f"{s['method']['tokens_per_second']:.1f} vs {s['autoregressive']['tokens_per_second']:.1f} tok/s, "
               f"speedup {s['speedup']:.2f}x, identical outputs {r['identical_outputs']}", flush=True)
     parts = []

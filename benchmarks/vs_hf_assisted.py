@@ -102,7 +102,8 @@ def main() -> None:
     identical = all(outputs[n] == outputs["hf_default"] for n in outputs)
     for name, r in rates.items():
         print(f"{name:>14}: {med[name]:6.1f} tok/s (spread {min(r):.1f}-{max(r):.1f})")
-    ratio, ratio_static = med["ours_default"] / med["hf_default"], med[f"ours_static{args.k}"] / med[f"hf_static{args.k}"]
+    ratio = med["ours_default"] / med["hf_default"]
+    ratio_static = med[f"ours_static{args.k}"] / med[f"hf_static{args.k}"]
     ratio_same_rule = med["ours_hf_rule"] / med["hf_default"]
     head = f"{len(head_ids)}-token head" if head_ids is not None else "full head (the export has no token counts)"
     print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32, our default policy "
