@@ -269,6 +269,9 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates: nothing a user can change
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # draftsmith always hands LightningCLI its arguments (the ones after `draftsmith fit`, or a recipe's
+    # built by `draftsmith run` / a benchmark), so the process's own sys.argv is never meant for it
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
 
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
