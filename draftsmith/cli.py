@@ -254,12 +254,17 @@ COMMANDS = {"data": {"stats": data_stats}, "regenerate": regenerate, "extract": 
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 
+def _not_litlogger_tip(record: Any) -> bool:
+    return "litlogger" not in str(record.msg)
+
+
 def lightning_cli(argv: list[str], run: bool = True) -> Any:
     """`draftsmith fit --config RECIPE [--trainer.max_steps N ...]`: LightningCLI over a recipe.
 
     The recipe names the LightningModule (`model.class_path`) and DataModule (`data.class_path`);
     `data.init_args.target` follows `model.init_args.target`.
     """
+    import logging
     import warnings
 
     from pytorch_lightning.cli import LightningCLI
@@ -272,6 +277,8 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     # draftsmith always hands LightningCLI its arguments (the ones after `draftsmith fit`, or a recipe's
     # built by `draftsmith run` / a benchmark), so the process's own sys.argv is never meant for it
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    # Lightning's advert for its hosted logger, printed by every Trainer: not something a run can act on
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_not_litlogger_tip)  # added once
 
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:

@@ -171,3 +171,28 @@ def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_p
     final, aux = model._features(batch)
     torch.testing.assert_close(final[0], item["final"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux[0], item["aux"], atol=1e-5, rtol=1e-5)
+
+
+def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_path):
+    """No "args parameter is intended to run from within Python" warning, no litlogger advert."""
+    import logging
+    import warnings
+
+    from draftsmith.cli import lightning_cli
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    rank_zero.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path))], run=False)
+    finally:
+        rank_zero.removeHandler(handler)
+    assert cli.trainer.max_steps == 6
+    messages = [r.getMessage() for r in records]
+    assert any("GPU available" in m for m in messages)  # Lightning's own lines still come through
+    assert not any("litlogger" in m for m in messages)
+    assert not any("run from within Python" in str(w.message) for w in caught)
