@@ -280,11 +280,22 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     # Lightning's advert for its hosted logger, printed by every Trainer: not something a run can act on
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_not_litlogger_tip)  # added once
 
+    # `--trainer.default_root_dir DIR` moves the whole run: a recipe's logger (and so the checkpoints, which
+    # Lightning keeps under the logger's directory) follows it unless the logger is set on the command line too
+    root_moved = any(a.split("=")[0] == "--trainer.default_root_dir" for a in argv)
+    logger_given = any(a.startswith("--trainer.logger") for a in argv)
+
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.link_arguments("model.init_args.target", "data.init_args.target")
             # draftsmith's DataModules shard batches across ranks themselves (length-bucketed)
             parser.set_defaults({"trainer.use_distributed_sampler": False})
+
+        def before_instantiate_classes(self) -> None:
+            trainer = self._get(self.config, "trainer")
+            logger = trainer.logger
+            if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
+                logger.init_args.save_dir = trainer.default_root_dir
 
     return DraftsmithCLI(args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)

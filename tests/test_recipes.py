@@ -30,7 +30,7 @@ def build_strategy(spec):
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_recipe_instantiates(path):
+def test_recipe_instantiates(path, tmp_path):
     from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
     from draftsmith.cli import lightning_cli
@@ -38,11 +38,16 @@ def test_recipe_instantiates(path):
     raw = yaml.safe_load(path.read_text())
     # the trainer on this CPU; the recipe's own strategy is built on its own below
     cli = lightning_cli(["--config", str(path), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-                         "--trainer.strategy", "auto", "--trainer.precision", "32-true"], run=False)
+                         "--trainer.strategy", "auto", "--trainer.precision", "32-true",
+                         "--trainer.default_root_dir", str(tmp_path)], run=False)
     assert type(cli.model).__name__ == raw["model"]["class_path"].rsplit(".", 1)[1]
     assert type(cli.datamodule).__name__ == raw["data"]["class_path"].rsplit(".", 1)[1]
     assert cli.datamodule.hint["target"] if hasattr(cli.datamodule, "hint") else cli.datamodule.target
     assert cli.trainer.max_steps == raw["trainer"].get("max_steps", -1)
+    # logs land beside the run's checkpoints, in a format that needs no extra package
+    assert [type(lg).__name__ for lg in cli.trainer.loggers] == ["CSVLogger"]
+    assert raw["trainer"]["logger"]["init_args"]["save_dir"] == raw["trainer"]["default_root_dir"]
+    assert cli.trainer.logger.save_dir == str(tmp_path)  # --trainer.default_root_dir moves logs and checkpoints
     if any(cb["class_path"].endswith("ModelCheckpoint") for cb in raw["trainer"].get("callbacks", [])):
         ckpt = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint")
         assert ckpt.monitor == "val/tau" and ckpt.mode == "max"

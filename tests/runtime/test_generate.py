@@ -107,7 +107,8 @@ def exact_law(model, prompt, length, cfg):
     """P(sequence) for every sequence of `length` tokens under the model's scaled distribution."""
     law = {}
     for seq in itertools.product(range(model.config.vocab_size), repeat=length):
-        logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1:]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1:]
         _, probs = distributions(logits, cfg)
         law[seq] = float(torch.prod(torch.stack([probs[i, x] for i, x in enumerate(seq)])))
     return law

@@ -30,7 +30,7 @@ def recipe(root, tmp_path, **model):
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
-                    "check_val_every_n_epoch": None, "enable_progress_bar": False,
+                    "check_val_every_n_epoch": None, "enable_progress_bar": False, "log_every_n_steps": 1,
                     "default_root_dir": str(tmp_path / "run"),
                     "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
                                "init_args": {"save_dir": str(tmp_path / "run"), "name": "logs", "version": 0}},
@@ -192,7 +192,19 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     finally:
         rank_zero.removeHandler(handler)
     assert cli.trainer.max_steps == 6
+    assert cli.trainer.logger.save_dir == str(tmp_path / "run")  # the recipe's own, not moved
     messages = [r.getMessage() for r in records]
     assert any("GPU available" in m for m in messages)  # Lightning's own lines still come through
     assert not any("litlogger" in m for m in messages)
     assert not any("run from within Python" in str(w.message) for w in caught)
+
+
+def test_default_root_dir_moves_the_recipe_logger_unless_the_logger_is_given(tiny_features, tmp_path):
+    from draftsmith.cli import lightning_cli
+
+    config = str(recipe(tiny_features, tmp_path))
+    moved = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved")], run=False)
+    assert moved.trainer.logger.save_dir == str(tmp_path / "moved")
+    both = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved"),
+                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")], run=False)
+    assert both.trainer.logger.save_dir == str(tmp_path / "logs")
