@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -94,6 +95,14 @@ def grouped_query_sdpa(enabled: bool):
             del os.environ[_FORCE_GQA]
         else:
             os.environ[_FORCE_GQA] = before
+
+
+@contextmanager
+def quiet_peft():
+    """peft asks transformers' deprecated `is_gradient_checkpointing`: a FutureWarning no user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 class KVBuffer:

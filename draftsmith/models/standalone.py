@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import quiet_peft
 
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
@@ -79,4 +80,5 @@ def add_lora(model: Any, rank: int, alpha: int | None = None, target_modules: li
 
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank,
                         target_modules=target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    return get_peft_model(model, config)
+    with quiet_peft():
+        return get_peft_model(model, config)

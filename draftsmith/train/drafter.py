@@ -262,7 +262,7 @@ class DrafterModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         out = self.alignment_forward(batch, with_metrics=False)
         if not torch.isfinite(out["loss"]):
-            bad = {k: float(v) for k, v in out.items()}
+            bad = {k: float(v.detach()) for k, v in out.items()}
             raise DraftsmithError(
                 f"non-finite loss at step {self.global_step} (batch {batch_idx}): {bad}; check the features "
                 "for inf/NaN (bf16 overflow), lower the learning rate, or enable gradient clipping"

@@ -1,7 +1,10 @@
+import warnings
+
 import pytest
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import quiet_peft
 from draftsmith.models.target import load_target
 from tests.conftest import save_tiny_target
 
@@ -50,12 +53,15 @@ def test_lora_adapter_is_merged_on_load(tiny_target_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with quiet_peft():
+        peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
     ids = torch.randint(0, 50, (1, 7))
     with torch.no_grad():
         expected = peft_model(ids).logits
-    merged = load_target(str(tiny_target_dir), adapter=str(tmp_path / "adapter"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # peft's use of a deprecated transformers name stays quiet
+        merged = load_target(str(tiny_target_dir), adapter=str(tmp_path / "adapter"))
     plain = load_target(str(tiny_target_dir))
     final, _ = merged.features(ids)
     torch.testing.assert_close(merged.logits(final), expected, atol=1e-5, rtol=1e-5)
