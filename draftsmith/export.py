@@ -231,9 +231,11 @@ def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> d
     if kind == "standalone" and fmt != "native":
         raise DraftsmithError("a standalone draft LM exports as `native` (an ordinary transformers model directory)")
     if fmt in ("eagle3", "speculators") and kind != "eagle3":
-        raise DraftsmithError(f"--format {fmt} is for EAGLE-3 drafters; this is a {kind} drafter: use --format eagle")
+        raise DraftsmithError(f"--format {fmt} is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter: "
+                              "use --format eagle")
     if fmt == "eagle" and kind != "eagle":
-        raise DraftsmithError(f"--format eagle is for EAGLE-1/2/HASS drafters; this is a {kind} drafter: use eagle3")
+        raise DraftsmithError("--format eagle is for EAGLE-1/2/HASS drafters; this is an EAGLE-3 drafter: "
+                              "use --format eagle3 (vLLM, SGLang) or speculators")
     written = WRITERS[fmt](module, ckpt, out_dir, speculative_tokens)
     error = verify_roundtrip(module, fmt, out_dir)
     return {"format": fmt, "kind": kind, "out": str(out_dir), "directories": written, "max_logit_error": error}

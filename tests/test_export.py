@@ -47,7 +47,7 @@ def test_eagle_format_per_engine(eagle_ckpt, tmp_path):
     assert json.loads((tmp_path / "e" / "eagle-reference" / "config.json").read_text())["rope_scaling"] is None
     sizes = dict(SIZES, V=ref["embed_tokens.weight"].shape[0])
     check_tensors("eagle", tensors, sizes, "vllm")
-    with pytest.raises(DraftsmithError, match="--format eagle3 is for EAGLE-3 drafters; this is a eagle drafter"):
+    with pytest.raises(DraftsmithError, match="--format eagle3 is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter"):
         export(str(eagle_ckpt), "eagle3", str(tmp_path / "x"))
 
 
@@ -69,6 +69,8 @@ def test_eagle3_and_speculators_formats(eagle3_ckpt, tmp_path):
     assert spec["speculators_config"]["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 4}
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
     assert (tmp_path / "spec" / "model.safetensors").is_file()
+    with pytest.raises(DraftsmithError, match="--format eagle is for .* this is an EAGLE-3 drafter: use --format eagle3"):
+        export(str(eagle3_ckpt), "eagle", str(tmp_path / "x"))
 
 
 def test_native_round_trip_and_wrong_target(eagle3_ckpt, tiny_features, tmp_path):
