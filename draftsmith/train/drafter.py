@@ -192,11 +192,6 @@ class DrafterModule(pl.LightningModule):
         aux = torch.cat([extra[i] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return final, aux
 
-
-    def _target_space(self, draft_logits_or_ids: torch.Tensor) -> torch.Tensor:
-        mapping = self.drafter.draft_to_target
-        return draft_logits_or_ids if mapping is None else mapping[draft_logits_or_ids]
-
     @torch.no_grad()
     def _target_table(self, final: torch.Tensor, carries: torch.Tensor, with_top1: bool) -> tuple[torch.Tensor, ...]:
         """Target distributions at every position that carries loss in any step, computed once.
@@ -249,11 +244,7 @@ class DrafterModule(pl.LightningModule):
                 loss = loss + h.feature_weight * parts[f"feature_{j}"]
             total = total + weights[j] * loss
             if with_metrics:
-                with torch.no_grad():
-                    logits = (x @ weight.T).float()
-                    p, q = table[rows], torch.softmax(logits, -1)
-                    draft_topk = self._target_space(logits.topk(self.val_metric.top_k, -1).indices)
-                    self.val_metric.update(j, draft_topk, top1[rows], torch.minimum(p, q).sum(-1))
+                self.val_metric.update_from_head(j, x, weight, table, rows, top1[rows], self.drafter.draft_to_target)
         if not torch.is_tensor(total):  # no position carried loss in this batch
             total = sum(p.sum() * 0.0 for p in self.drafter.parameters() if p.requires_grad)
         return {"loss": total, **parts}
