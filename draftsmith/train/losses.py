@@ -59,15 +59,34 @@ def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_wei
     return mass, mix
 
 
+CACHE_FLOATS = 16 * 49152  # float logits that stay in cache (3 MB): the element-wise passes run this many at a time
+
+
+def cache_rows(weight: torch.Tensor) -> int:
+    """Rows of (rows, V) float logits that fit in CACHE_FLOATS, at least one."""
+    return max(1, CACHE_FLOATS // weight.shape[0])
+
+
+def blocks(n: int, size: int):
+    """(start, stop) of consecutive blocks of at most `size` out of n."""
+    return ((i, min(i + size, n)) for i in range(0, n, size))
+
+
 class _HeadLogSumExp(torch.autograd.Function):
     """logsumexp(x Wᵀ) over the vocabulary, row chunk by row chunk; the backward recomputes each
     chunk's logits instead of keeping (N, V) floats alive (on a CPU their page faults and copies
-    cost more than the extra matmul)."""
+    cost more than the extra matmul). Within a chunk the float conversion, exp and reductions run
+    `cache_rows` rows at a time, so their temporaries stay in cache: on this CPU that halves the
+    element-wise time of a 49k-vocabulary head with the same arithmetic (benchmarks/head_loss.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
         xc, wc, acc = x.to(dtype), weight.to(dtype), torch.promote_types(dtype, torch.float32)
-        out = torch.cat([torch.logsumexp((xc[i:i + chunk] @ wc.T).to(acc), -1) for i in range(0, len(x), chunk)])
+        out, rows = torch.empty(len(x), dtype=acc, device=x.device), cache_rows(weight)
+        for a, b in blocks(len(x), chunk):
+            z = xc[a:b] @ wc.T
+            for c, d in blocks(b - a, rows):
+                out[a + c:a + d] = torch.logsumexp(z[c:d].to(acc), -1)
         ctx.save_for_backward(x, weight, out)
         ctx.dtype, ctx.chunk = dtype, chunk
         return out
@@ -79,14 +98,16 @@ class _HeadLogSumExp(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        for i in range(0, len(x), ctx.chunk):
-            rows = slice(i, i + ctx.chunk)
-            # d lse / d z = softmax(z); scaled by the incoming gradient per row
-            g = torch.exp((xc[rows] @ wc.T).to(lse.dtype) - lse[rows, None]).mul_(grad[rows, None]).to(ctx.dtype)  # (n, V)
+        rows = cache_rows(weight)
+        for a, b in blocks(len(x), ctx.chunk):
+            g = xc[a:b] @ wc.T  # logits (n, V), overwritten in place by the gradient on them
+            for c, d in blocks(b - a, rows):
+                # d lse / d z = softmax(z); scaled by the incoming gradient per row
+                g[c:d] = torch.exp(g[c:d].to(lse.dtype) - lse[a + c:a + d, None]).mul_(grad[a + c:a + d, None])
             if need_x:
-                grad_x[rows] = (g @ wc).to(x.dtype)
+                grad_x[a:b] = (g @ wc).to(x.dtype)
             if need_w:
-                grad_w += (g.T @ xc[rows]).to(lse.dtype)
+                grad_w += (g.T @ xc[a:b]).to(lse.dtype)
         return grad_x, grad_w.to(weight.dtype) if need_w else None, None, None
 
 

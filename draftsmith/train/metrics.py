@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
+from draftsmith.train.losses import blocks, cache_rows
+
 
 class DraftAcceptance(Metric):
     full_state_update = False
@@ -34,17 +36,19 @@ class DraftAcceptance(Metric):
                          target_top1: torch.Tensor, to_target: torch.Tensor | None = None, chunk: int = 256) -> None:
         """Score the drafter's head x Wᵀ (x (N, H), W (V', H)) against the target's p = table[rows] (N, V').
 
-        A chunk of rows at a time: whole (N, V) float logits cost more in page faults and copies than in
-        arithmetic on a CPU (they made a hass-cpu validation 1.5x slower). `to_target` maps a pruned draft
+        A chunk of rows at a time, its element-wise work `cache_rows` rows at a time: whole (N, V) float
+        logits cost more in page faults and copies than in arithmetic on a CPU (as in `head_logsumexp`). `to_target` maps a pruned draft
         vocabulary's ids to target ids.
         """
-        for i in range(0, len(rows), chunk):
-            c = slice(i, i + chunk)
-            logits = (x[c] @ weight.T).float()
-            top = logits.topk(self.top_k, -1).indices
-            q = logits.softmax(-1)
-            overlap = torch.minimum(table[rows[c]], q, out=q).sum(-1)
-            self.update(step, top if to_target is None else to_target[top], target_top1[c], overlap)
+        block = cache_rows(weight)
+        for a, b in blocks(len(rows), chunk):
+            z = x[a:b] @ weight.T
+            for c, d in blocks(b - a, block):  # element-wise work on rows that stay in cache
+                logits = z[c:d].float()
+                top = logits.topk(self.top_k, -1).indices
+                q = logits.softmax(-1)
+                overlap = torch.minimum(table[rows[a + c:a + d]], q, out=q).sum(-1)
+                self.update(step, top if to_target is None else to_target[top], target_top1[a + c:a + d], overlap)
 
     @staticmethod
     def chain_length(rates: torch.Tensor) -> torch.Tensor:

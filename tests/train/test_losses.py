@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from draftsmith.train.losses import (feature_regression, head_distillation, head_logsumexp, target_mix, forward_kl, soft_cross_entropy, step_weights,
@@ -68,7 +69,12 @@ def test_factored_head_loss_equals_the_plain_definitions():
     torch.testing.assert_close(soft_cross_entropy(logits, p, mask).double(), reference)
 
 
-def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one():
+@pytest.mark.parametrize("cache_floats", [None, 150, 50])  # default (one block a chunk); 3 rows (5 = 3 + 2); 1 row
+def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats, monkeypatch):
+    from draftsmith.train import losses
+
+    if cache_floats is not None:
+        monkeypatch.setattr(losses, "CACHE_FLOATS", cache_floats)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)

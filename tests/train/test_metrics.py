@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.train import losses
 from draftsmith.train.metrics import DraftAcceptance
 
 # Step 0: three positions; the drafter's head gives q (logits log q), the target p.
@@ -13,9 +14,11 @@ P0 = [[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.6, 0.1], [0.0, 0.0, 1.0, 0.0]]
 Q1 = P1 = [[0.1, 0.2, 0.3, 0.4]]
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 256])
+@pytest.mark.parametrize("chunk,cache_floats", [(1, None), (2, None), (256, None), (3, 8)])  # 8 floats: 2 rows of 4
 @pytest.mark.parametrize("pruned", [False, True])
-def test_acceptance_from_the_drafter_head_matches_hand_values(chunk, pruned):
+def test_acceptance_from_the_drafter_head_matches_hand_values(chunk, cache_floats, pruned, monkeypatch):
+    if cache_floats is not None:
+        monkeypatch.setattr(losses, "CACHE_FLOATS", cache_floats)
     table = torch.tensor([P0[2], P0[0], P0[1], P1[0]])  # rows in another order than the positions
     weight = torch.eye(4)  # logits = x
     to_target = torch.tensor([10, 11, 12, 13]) if pruned else None

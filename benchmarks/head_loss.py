@@ -1,0 +1,71 @@
+"""The drafter's head loss, element-wise work in cache-sized rows against one pass per chunk, one run.
+
+`head_logsumexp` (train/losses.py) computes logsumexp(x Wᵀ) over the vocabulary a chunk of rows at a
+time and recomputes the logits in the backward. Within a chunk, its float conversion, exp and
+reductions run `cache_rows` rows at a time (as many as `CACHE_FLOATS` floats hold); a budget of
+chunk × V floats is the former one-pass-per-chunk code. This script times forward + backward both ways, alternating, in one process, under bf16
+autocast as training runs, for the heads of the embedded-default recipes: hass-cpu's full
+49,152-token head and hass-cpu-full's 8,192-token draft head (hidden 576, `--rows` loss positions,
+about one batch of 2,048 tokens), and checks that both ways give bit-identical values and gradients.
+
+    python benchmarks/head_loss.py [--rows 1440] [--repeats 10]
+
+Ends with `RESULT identical=... ratio_<V>=<one pass / cache rows> ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from draftsmith.train import losses
+
+
+def fwd_bwd(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, cache_floats: int) -> tuple[torch.Tensor, ...]:
+    losses.CACHE_FLOATS = cache_floats
+    x = x.detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lse = losses.head_logsumexp(x, weight)
+    lse.backward(grad)
+    return lse.detach(), x.grad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=1440)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[49152, 8192])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    default, chunk = losses.CACHE_FLOATS, 256  # head_logsumexp's default chunk
+    torch.manual_seed(0)
+    results, identical = {}, True
+    for vocab in args.vocabs:
+        x = torch.randn(args.rows, args.hidden)
+        weight = torch.randn(vocab, args.hidden) * args.hidden ** -0.5 * 4
+        grad = torch.rand(args.rows)
+        ways = {"cache rows": default, "one pass": chunk * vocab}
+        outs = {name: fwd_bwd(x, weight, grad, floats) for name, floats in ways.items()}  # also the warm-up
+        same = all(torch.equal(a, b) for a, b in zip(outs["cache rows"], outs["one pass"]))
+        identical &= same
+        times = {name: [] for name in ways}
+        for r in range(args.repeats):
+            for name in (ways if r % 2 == 0 else reversed(ways)):
+                start = time.perf_counter()
+                fwd_bwd(x, weight, grad, ways[name])
+                times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        results[vocab] = ms["one pass"] / ms["cache rows"]
+        losses.CACHE_FLOATS = default
+        print(f"V={vocab:6d}: {losses.cache_rows(weight)} rows at a time {ms['cache rows']:7.1f} ms, one pass per "
+              f"chunk of {chunk} {ms['one pass']:7.1f} ms, ratio {results[vocab]:.2f}, bit-identical {same}")
+    losses.CACHE_FLOATS = default
+    print("RESULT identical=" + str(identical).lower() + " "
+          + " ".join(f"ratio_{v}={r:.3f}" for v, r in results.items()))
+
+
+if __name__ == "__main__":
+    main()
