@@ -63,7 +63,10 @@ CACHE_FLOATS = 16 * 49152  # float logits that stay in cache (3 MB): the element
 
 
 def cache_rows(weight: torch.Tensor) -> int:
-    """Rows of (rows, V) float logits that fit in CACHE_FLOATS, at least one."""
+    """Rows of (rows, V) float logits that fit in CACHE_FLOATS, at least one; on an accelerator every row
+    at once (there kernel launches, not the cache, are what many small blocks would cost)."""
+    if weight.device.type != "cpu":
+        return 1 << 30
     return max(1, CACHE_FLOATS // weight.shape[0])
 
 

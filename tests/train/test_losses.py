@@ -90,3 +90,10 @@ def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats, 
     torch.testing.assert_close(out, torch.logsumexp(x @ frozen.T, -1))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # computed in bf16 under autocast, returned as float32
         assert head_logsumexp(x.float(), frozen.float()).dtype == torch.float32
+
+
+def test_row_blocks_are_for_cpu_caches_only():
+    from draftsmith.train.losses import CACHE_FLOATS, cache_rows
+
+    assert cache_rows(torch.empty(49152, 8)) == CACHE_FLOATS // 49152 == 16
+    assert cache_rows(torch.empty(10**9, 1, device="meta")) >= 10**9  # an accelerator: the whole chunk at once
