@@ -102,7 +102,7 @@ def main() -> None:
         ms = {name: s * 1e3 for name, s in alternate(ways, lambda f: fwd_bwd(x, weight, grad, f), args.repeats).items()}
         results[vocab] = ms["one pass"] / ms["cache rows"]
         losses.CACHE_FLOATS = default
-        print(f"V={vocab:6d}: {losses.cache_rows(weight)} rows at a time {ms['cache rows']:7.1f} ms, one pass per "
+        print(f"V={vocab:6d}: {losses.cache_rows(len(weight), weight.device)} rows at a time {ms['cache rows']:7.1f} ms, one pass per "
               f"chunk of {chunk} {ms['one pass']:7.1f} ms, ratio {results[vocab]:.2f}, bit-identical {same}")
     losses.CACHE_FLOATS = default
     keys = {f"ratio_{v}": f"{r:.3f}" for v, r in results.items()}

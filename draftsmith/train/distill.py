@@ -16,7 +16,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear
-from draftsmith.train.losses import forward_kl, loss_tokens
+from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
 
@@ -103,13 +103,18 @@ class DistillModule(pl.LightningModule):
         sel = valid[:, :-1] & batch["loss_mask"].bool()[:, 1:] & valid[:, 1:]  # x_{t+1} is an assistant token
         # both heads run on the loss positions only (a quarter of the rows are prompts here)
         hidden = self.student.get_decoder()(input_ids=batch["input_ids"], attention_mask=valid.long()).last_hidden_state
-        logits = self.student.get_output_embeddings()(hidden[:, :-1][sel])  # (N, V)
-        target = self._target_logits(batch, sel)
-        loss = forward_kl(logits, target, sel.new_ones(len(logits)), self.hparams.kl_top_k)
-        if with_metrics and len(logits):
-            p, q = torch.softmax(target.float(), -1), torch.softmax(logits.float(), -1)
-            self.val_metric.update(0, logits.topk(self.val_metric.top_k, -1).indices, target.argmax(-1),
-                                   torch.minimum(p, q).sum(-1))
+        x, head = hidden[:, :-1][sel], self.student.get_output_embeddings()  # (N, H)
+        target = self._target_logits(batch, sel)  # (N, V)
+        every = sel.new_ones(len(x))
+        if self.hparams.kl_top_k is None and head.bias is None:  # the student's (N, V) logits are never formed
+            loss = head_forward_kl(x, head.weight, target, every)
+        else:
+            loss = forward_kl(head(x), target, every, self.hparams.kl_top_k)
+        if with_metrics and len(x):
+            with torch.no_grad():
+                p = torch.softmax(target.float(), -1)
+                self.val_metric.update_from_head(0, x, head.weight, p, torch.arange(len(x), device=x.device),
+                                                 target.argmax(-1), bias=head.bias)
         return loss
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -62,12 +62,12 @@ def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_wei
 CACHE_FLOATS = 16 * 49152  # float logits that stay in cache (3 MB): the element-wise passes run this many at a time
 
 
-def cache_rows(weight: torch.Tensor) -> int:
-    """Rows of (rows, V) float logits that fit in CACHE_FLOATS, at least one; on an accelerator every row
+def cache_rows(vocab: int, device: torch.device) -> int:
+    """Rows of (rows, vocab) float logits that fit in CACHE_FLOATS, at least one; on an accelerator every row
     at once (there kernel launches, not the cache, are what many small blocks would cost)."""
-    if weight.device.type != "cpu":
+    if device.type != "cpu":
         return 1 << 30
-    return max(1, CACHE_FLOATS // weight.shape[0])
+    return max(1, CACHE_FLOATS // vocab)
 
 
 def blocks(n: int, size: int):
@@ -85,7 +85,7 @@ class _HeadLogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
         xc, wc, acc = x.to(dtype), weight.to(dtype), torch.promote_types(dtype, torch.float32)
-        out, rows = torch.empty(len(x), dtype=acc, device=x.device), cache_rows(weight)
+        out, rows = torch.empty(len(x), dtype=acc, device=x.device), cache_rows(len(weight), weight.device)
         for a, b in blocks(len(x), chunk):
             z = xc[a:b] @ wc.T
             for c, d in blocks(b - a, rows):
@@ -101,7 +101,7 @@ class _HeadLogSumExp(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        rows = cache_rows(weight)
+        rows = cache_rows(len(weight), weight.device)
         for a, b in blocks(len(x), ctx.chunk):
             g = xc[a:b] @ wc.T  # logits (n, V), overwritten in place by the gradient on them
             for c, d in blocks(b - a, rows):
@@ -144,6 +144,27 @@ def forward_kl(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Te
         log_p = F.log_softmax(top_logits, dim=-1)
         per_position = (log_p.exp() * (log_p - log_q.gather(-1, top_idx))).sum(-1)
     return _masked_mean(per_position, mask)
+
+
+def head_forward_kl(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`forward_kl(x Wᵀ, target_logits, mask)` (full vocabulary) without forming the student's (N, V) logits.
+
+    KL(p ‖ q) = −Σ p log q + Σ p log p: the cross-entropy is `head_distillation` with mass 1 and mix = p W,
+    and Σ p log p needs only the target. p is built a few cache-sized rows at a time, in the autocast
+    dtype when autocast is on (the dtype its product with W runs in).
+    """
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
+    p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
+    neg_entropy = torch.empty(len(p), dtype=torch.promote_types(dtype, torch.float32), device=p.device)
+    with torch.no_grad():
+        for a, b in blocks(len(p), cache_rows(target_logits.shape[-1], target_logits.device)):
+            log_p = torch.log_softmax(target_logits[a:b].to(neg_entropy.dtype), -1)
+            probs = log_p.exp()
+            neg_entropy[a:b] = (probs * log_p).sum(-1)
+            p[a:b] = probs
+    mix = p @ weight.to(dtype)  # (N, H); carries the gradient into W
+    return head_distillation(x, weight, mix.new_ones(len(p)), mix, mask) + _masked_mean(neg_entropy, mask)
 
 
 def uniform_noise(features: torch.Tensor, scale: float) -> torch.Tensor:

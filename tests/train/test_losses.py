@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from draftsmith.train.losses import (feature_regression, head_distillation, head_logsumexp, target_mix, forward_kl, soft_cross_entropy, step_weights,
-                                     topk_distillation, uniform_noise)
+from draftsmith.train.losses import (feature_regression, forward_kl, head_distillation, head_forward_kl, head_logsumexp,
+                                     soft_cross_entropy, step_weights, target_mix, topk_distillation, uniform_noise)
 
 # one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
@@ -69,22 +69,35 @@ def test_factored_head_loss_equals_the_plain_definitions():
     torch.testing.assert_close(soft_cross_entropy(logits, p, mask).double(), reference)
 
 
-@pytest.mark.parametrize("cache_floats", [None, 150, 50])  # default (one block a chunk); 3 rows (5 = 3 + 2); 1 row
-def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats, monkeypatch):
+@pytest.fixture(params=[None, 150, 50])  # default (one block a chunk); 3 rows of 50 (5 = 3 + 2); 1 row
+def cache_floats(request, monkeypatch):
     from draftsmith.train import losses
 
-    if cache_floats is not None:
-        monkeypatch.setattr(losses, "CACHE_FLOATS", cache_floats)
+    if request.param is not None:
+        monkeypatch.setattr(losses, "CACHE_FLOATS", request.param)
+    return request.param
+
+
+def assert_same_values_and_gradients(got_fn, expected_fn, *leaves):
+    got = got_fn()
+    got.sum().backward()
+    grads = [leaf.grad.clone() for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    expected = expected_fn()
+    expected.sum().backward()
+    torch.testing.assert_close(got, expected)
+    for grad, leaf in zip(grads, leaves):
+        torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 8, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(37, generator=g, dtype=torch.float64)
-    (head_logsumexp(x, w, chunk=5) * upstream).sum().backward()
-    gx, gw = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    (torch.logsumexp(x @ w.T, -1) * upstream).sum().backward()
-    torch.testing.assert_close(gx, x.grad)
-    torch.testing.assert_close(gw, w.grad)
+    assert_same_values_and_gradients(lambda: head_logsumexp(x, w, chunk=5) * upstream,
+                                     lambda: torch.logsumexp(x @ w.T, -1) * upstream, x, w)
     frozen = w.detach()
     out = head_logsumexp(x, frozen, chunk=7)
     torch.testing.assert_close(out, torch.logsumexp(x @ frozen.T, -1))
@@ -95,5 +108,20 @@ def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats, 
 def test_row_blocks_are_for_cpu_caches_only():
     from draftsmith.train.losses import CACHE_FLOATS, cache_rows
 
-    assert cache_rows(torch.empty(49152, 8)) == CACHE_FLOATS // 49152 == 16
-    assert cache_rows(torch.empty(10**9, 1, device="meta")) >= 10**9  # an accelerator: the whole chunk at once
+    assert cache_rows(49152, torch.device("cpu")) == CACHE_FLOATS // 49152 == 16
+    assert cache_rows(49152, torch.device("meta")) >= 10**9  # an accelerator: the whole chunk at once
+
+
+def test_head_forward_kl_equals_forward_kl_of_the_logits_with_its_gradients(cache_floats):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    target = 2 * torch.randn(11, 50, generator=g, dtype=torch.float64)
+    mask = torch.rand(11, generator=g) > 0.3
+
+    def expected():  # forward_kl's definition, in float64
+        log_p, log_q = torch.log_softmax(target, -1), torch.log_softmax(x @ w.T, -1)
+        return ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum() / mask.sum()
+
+    assert_same_values_and_gradients(lambda: head_forward_kl(x, w, target, mask), expected, x, w)
+    torch.testing.assert_close(forward_kl(x @ w.T, target, mask).double(), expected())
