@@ -6,7 +6,9 @@ Notation: B batch, T sequence (anchors), S keys, H hidden, kv key/value heads, h
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import os
 import warnings
 from contextlib import contextmanager
@@ -146,3 +148,14 @@ def alignment_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
     causal = (idx[None, :] <= idx[:, None])[None] & valid[:, None, :]  # (B, T, T)
     diag = torch.eye(t, dtype=torch.bool, device=valid.device).expand(b, t, t)
     return torch.cat([causal] + [diag] * step, dim=-1)[:, None]
+
+
+@functools.cache
+def _cache_name(kind: type) -> str:
+    return "cache" if "cache" in inspect.signature(kind.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """{name: cache} under the name `module`'s forward takes its KV cache by: `cache` from transformers 5.24
+    on, `past_key_values` before (5.24 still takes the old name, with a FutureWarning, until 5.40)."""
+    return {_cache_name(type(module)): cache}

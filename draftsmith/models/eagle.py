@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.models.common import drafter_config, family_classes, frozen_embedding, frozen_linear, init_linear_
+from draftsmith.models.common import (cache_kwargs, drafter_config, family_classes, frozen_embedding, frozen_linear,
+                                      init_linear_)
 
 
 class EagleDrafter(nn.Module):
@@ -48,8 +49,8 @@ class EagleDrafter(nn.Module):
                 attention_mask: torch.Tensor | None, cache: Any = None) -> torch.Tensor:
         """(B, T) tokens x_{t+1}, (B, T, H) features f_t → (B, T, H) predicted f_{t+1}."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(feature.dtype), feature], dim=-1))  # (B, T, H)
-        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                          position_embeddings=self.rotary(x, position_ids))
+        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                          position_embeddings=self.rotary(x, position_ids), **cache_kwargs(self.layer, cache))
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head multiplies: the predicted feature itself (it is already post-norm)."""

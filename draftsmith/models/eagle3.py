@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.models.common import drafter_config, family_classes, frozen_embedding, init_linear_
+from draftsmith.models.common import cache_kwargs, drafter_config, family_classes, frozen_embedding, init_linear_
 
 
 class Eagle3Layer(nn.Module):
@@ -41,7 +41,7 @@ class Eagle3Layer(nn.Module):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
         x, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=cache, position_embeddings=position_embeddings)
+                              **cache_kwargs(self.self_attn, cache), position_embeddings=position_embeddings)
         hidden = residual + x
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import grouped_query_sdpa
+from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, tree_attention_mask, verify_tree,
@@ -94,7 +94,7 @@ class TargetRunner:
                      "position_ids": (cached + depth)[None]}
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
                 grouped_query_sdpa(self.gqa and len(tokens) > 1):
-            out = self.decoder(input_ids=ids, past_key_values=self.cache, use_cache=True,
+            out = self.decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                output_hidden_states=captured.fallback, **extra)
         final = out.last_hidden_state[0]
         hidden = captured.collect(out)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.models.common import KVBuffer, grouped_query_sdpa
+from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
 
@@ -208,8 +208,10 @@ class ModelProposer:
         feed = torch.tensor([tokens], device=self._device())
         self.forwards += 1
         if self.head is None:
-            return self.model(input_ids=feed, past_key_values=self.cache, use_cache=True, **self.last_row).logits[0, -1]
-        hidden = self.model.get_decoder()(input_ids=feed, past_key_values=self.cache, use_cache=True).last_hidden_state
+            out = self.model(input_ids=feed, use_cache=True, **cache_kwargs(self.model, self.cache), **self.last_row)
+            return out.logits[0, -1]
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=feed, use_cache=True, **cache_kwargs(decoder, self.cache)).last_hidden_state
         return self.head(hidden[0, -1])
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """METRICS.md proofs 1, 3, 5, 6 and 8 for the decoding loop, on tiny random models in fp32."""
 
 import itertools
+import warnings
 from collections import Counter
 
 import pytest
 import torch
 
+from draftsmith.models.common import cache_kwargs
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
 from draftsmith.runtime.generate import TargetRunner, generate
@@ -40,6 +42,29 @@ def test_greedy_output_is_the_targets_own(target, kind, policy):
         out = generate(runner, proposer, prompt, 24, policy())
         assert out.tokens == expected, kind
         assert sum(r.committed for r in out.rounds) + 1 == 24
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "standalone", "self-ranked"])
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_takes(target, kind):
+    """transformers 5.24 renamed `past_key_values` to `cache`; the old name warns until 5.40 removes it."""
+    proposer = proposers(target)[kind]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    prompt, expected = next(iter(greedy_cases(target, seeds=1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert generate(runner, proposer, prompt, 24, Static(3)).tokens == expected
+
+
+def test_cache_kwargs_follows_the_forward_signature():
+    class New(torch.nn.Module):
+        def forward(self, x, cache=None):
+            return x
+
+    class Old(torch.nn.Module):
+        def forward(self, x, past_key_values=None):
+            return x
+
+    assert cache_kwargs(New(), 1) == {"cache": 1} and cache_kwargs(Old(), 1) == {"past_key_values": 1}
 
 
 def test_always_right_and_always_wrong_drafters(target):
