@@ -70,11 +70,12 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
     from draftsmith.cli import lightning_cli
     from draftsmith.train.metrics import DraftAcceptance
 
-    args = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps), *overrides]
-    cli = lightning_cli([*args, "--trainer.default_root_dir", str(out), "--trainer.logger", "false",
+    base = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps)]
+    args = [*base, *overrides]  # what defines the arm
+    cli = lightning_cli([*base, "--trainer.default_root_dir", str(out), "--trainer.logger", "false",
                          "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
                          "--trainer.val_check_interval", str(steps + 1),  # never: scored below
-                         "--trainer.enable_progress_bar", "false"], run=False)
+                         "--trainer.enable_progress_bar", "false", *overrides], run=False)
     done, record = out / "trained.ckpt", out / "arm.json"
     kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
     if kept.get("args") == args:  # restored at max_steps: fit returns without a step

@@ -3,8 +3,8 @@
 `head_logsumexp` (train/losses.py) computes logsumexp(x Wᵀ) over the vocabulary a chunk of rows at a
 time and recomputes the logits in the backward. Within a chunk, its float conversion, exp and
 reductions run `cache_rows` rows at a time (as many as `CACHE_FLOATS` floats hold); a budget of
-chunk × V floats is the former one-pass-per-chunk code. This script times forward + backward both ways, alternating, in one process, under bf16
-autocast as training runs, for the heads of the embedded-default recipes: hass-cpu's full
+chunk × V floats is the former one-pass-per-chunk code. This script times forward + backward both
+ways, alternating, in one process, under bf16 autocast as training runs, for the heads of the embedded-default recipes: hass-cpu's full
 49,152-token head and hass-cpu-full's 8,192-token draft head (hidden 576, `--rows` loss positions,
 about one batch of 2,048 tokens), and checks that both ways give bit-identical values and gradients.
 Then, when the hass-cpu recipe's features are there (`--features`), whole training steps of that
@@ -69,7 +69,7 @@ def training_steps(features: str, batches: int, repeats: int) -> float:
                 module.alignment_forward(batch, with_metrics=False)["loss"].backward()
 
     default, vocab = losses.CACHE_FLOATS, module.drafter.lm_head.weight.shape[0]
-    ways = {"cache rows": default, "one pass": 256 * vocab}
+    ways = {"cache rows": default, "one pass": losses.HEAD_CHUNK * vocab}
     steps(default)  # warm-up
     sec = alternate(ways, steps, repeats)
     losses.CACHE_FLOATS = default
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--features", default="runs/smollm2-135m/features-sharegpt-800")
     parser.add_argument("--batches", type=int, default=6)
     args = parser.parse_args()
-    default, chunk = losses.CACHE_FLOATS, 256  # head_logsumexp's default chunk
+    default, chunk = losses.CACHE_FLOATS, losses.HEAD_CHUNK
     torch.manual_seed(0)
     results, identical = {}, True
     for vocab in args.vocabs:
@@ -99,12 +99,13 @@ def main() -> None:
         outs = {name: fwd_bwd(x, weight, grad, floats) for name, floats in ways.items()}  # also the warm-up
         same = all(torch.equal(a, b) for a, b in zip(outs["cache rows"], outs["one pass"]))
         identical &= same
-        ms = {name: s * 1e3 for name, s in alternate(ways, lambda f: fwd_bwd(x, weight, grad, f), args.repeats).items()}
+        sec = alternate(ways, lambda floats: fwd_bwd(x, weight, grad, floats), args.repeats)
+        ms = {name: s * 1e3 for name, s in sec.items()}
         results[vocab] = ms["one pass"] / ms["cache rows"]
         losses.CACHE_FLOATS = default
-        print(f"V={vocab:6d}: {losses.cache_rows(len(weight), weight.device)} rows at a time {ms['cache rows']:7.1f} ms, one pass per "
+        rows = losses.cache_rows(len(weight), weight.device)
+        print(f"V={vocab:6d}: {rows} rows at a time {ms['cache rows']:7.1f} ms, one pass per "
               f"chunk of {chunk} {ms['one pass']:7.1f} ms, ratio {results[vocab]:.2f}, bit-identical {same}")
-    losses.CACHE_FLOATS = default
     keys = {f"ratio_{v}": f"{r:.3f}" for v, r in results.items()}
     if any(Path(args.features).glob("*.safetensors")):
         keys["ratio_step"] = f"{training_steps(args.features, args.batches, 3):.3f}"

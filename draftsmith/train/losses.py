@@ -59,6 +59,7 @@ def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_wei
     return mass, mix
 
 
+HEAD_CHUNK = 256  # rows per matmul when a head's (rows, V) logits are computed piecewise
 CACHE_FLOATS = 16 * 49152  # float logits that stay in cache (3 MB): the element-wise passes run this many at a time
 
 
@@ -114,11 +115,16 @@ class _HeadLogSumExp(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype) if need_w else None, None, None
 
 
-def head_logsumexp(x: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """logsumexp(x Wᵀ, -1) (N,), at least float32; the matmuls run in the autocast dtype when autocast is on."""
+def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype x Wᵀ runs in: autocast's when it is on, else the promoted dtype of both."""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
-    with torch.autocast(device, enabled=False):
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
+
+
+def head_logsumexp(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
+    """logsumexp(x Wᵀ, -1) (N,), at least float32; the matmuls run in the autocast dtype when autocast is on."""
+    dtype = _matmul_dtype(x, weight)
+    with torch.autocast(x.device.type, enabled=False):
         return _HeadLogSumExp.apply(x, weight, dtype, chunk)
 
 
@@ -153,8 +159,7 @@ def head_forward_kl(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.
     and Σ p log p needs only the target. p is built a few cache-sized rows at a time, in the autocast
     dtype when autocast is on (the dtype its product with W runs in).
     """
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
+    dtype = _matmul_dtype(x, weight)
     p = torch.empty(target_logits.shape, dtype=dtype, device=target_logits.device)
     neg_entropy = torch.empty(len(p), dtype=torch.promote_types(dtype, torch.float32), device=p.device)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-from draftsmith.train.losses import blocks, cache_rows
+from draftsmith.train.losses import HEAD_CHUNK, blocks, cache_rows
 
 
 class DraftAcceptance(Metric):
@@ -33,17 +33,17 @@ class DraftAcceptance(Metric):
 
     @torch.no_grad()
     def update_from_head(self, step: int, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                         target_top1: torch.Tensor, to_target: torch.Tensor | None = None, chunk: int = 256,
+                         target_top1: torch.Tensor, to_target: torch.Tensor | None = None, chunk: int = HEAD_CHUNK,
                          bias: torch.Tensor | None = None) -> None:
         """Score the drafter's head x Wᵀ (x (N, H), W (V', H)) against the target's p = table[rows] (N, V').
 
         A chunk of rows at a time, its element-wise work `cache_rows` rows at a time: whole (N, V) float
-        logits cost more in page faults and copies than in arithmetic on a CPU (as in `head_logsumexp`). `to_target` maps a pruned draft
-        vocabulary's ids to target ids; `bias` is the head's, if it has one.
+        logits cost more in page faults and copies than in arithmetic on a CPU (as in `head_logsumexp`).
+        `to_target` maps a pruned draft vocabulary's ids to target ids; `bias` is the head's, if it has one.
         """
         block = cache_rows(len(weight), weight.device)
         for a, b in blocks(len(rows), chunk):
-            z = x[a:b] @ weight.T if bias is None else torch.nn.functional.linear(x[a:b], weight, bias)
+            z = torch.nn.functional.linear(x[a:b], weight, bias)
             for c, d in blocks(b - a, block):  # element-wise work on rows that stay in cache
                 logits = z[c:d].float()
                 top = logits.topk(self.top_k, -1).indices
