@@ -35,7 +35,7 @@ def main() -> None:
         raise SystemExit(f"no drafter export at {args.drafter}: run `draftsmith run RECIPE` or `draftsmith export`")
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.eval.evaluate import load_proposer
+    from draftsmith.models.loading import load_proposer
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
@@ -61,7 +61,7 @@ def main() -> None:
 
     def decode(name: str, limit: int | None = None, max_new: int | None = None):
         arm, tree, k = arms[name]
-        return decode_all(runner, arm, prompts[:limit], max_new or args.max_new_tokens, lambda: Static(k), sampling,
+        return decode_all(runner, arm, prompts[:limit], max_new or args.max_new_tokens, lambda _: Static(k), sampling,
                           eos, 0, tree=tree)
 
     for name in arms:  # warm-up

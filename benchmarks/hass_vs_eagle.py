@@ -117,7 +117,7 @@ def decode_tau(module: object, target: object, prompts: list[list[int]], max_new
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     shape = EvalConfig(target="", tree=tree).tree_shape()
     # trees ignore the chain policy, but a round with no room left for a draft asks it for its length
-    results = decode_all(runner, proposer, prompts, max_new_tokens, lambda: Static(shape.depth), SamplingConfig(),
+    results = decode_all(runner, proposer, prompts, max_new_tokens, lambda _: Static(shape.depth), SamplingConfig(),
                          target.eos_token_ids, seed=0, tree=shape)
     return acceptance_stats(results)
 

@@ -1,6 +1,6 @@
 """The drafter's head loss, element-wise work in cache-sized rows against one pass per chunk, one run.
 
-`head_logsumexp` (train/losses.py) computes logsumexp(x Wᵀ) over the vocabulary a chunk of rows at a
+`head_logsumexp` (train/head_kernel.py) computes logsumexp(x Wᵀ) over the vocabulary a chunk of rows at a
 time and recomputes the logits in the backward. Within a chunk, its float conversion, exp and
 reductions run `cache_rows` rows at a time (as many as `CACHE_FLOATS` floats hold); a budget of
 chunk × V floats is the former one-pass-per-chunk code. This script times forward + backward both
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.train import losses
+from draftsmith.train import head_kernel as losses
 
 
 def fwd_bwd(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, cache_floats: int) -> tuple[torch.Tensor, ...]:

@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
 
-    from draftsmith.eval.evaluate import EvalConfig, load_proposer
+    from draftsmith.eval.evaluate import EvalConfig
+    from draftsmith.models.loading import load_proposer
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import Static

@@ -37,7 +37,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.eval.evaluate import EvalConfig, policy_factory, standalone_head_ids
+    from draftsmith.eval.evaluate import EvalConfig, policy_factory
+    from draftsmith.models.loading import standalone_head_ids
     from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
@@ -62,7 +63,7 @@ def main() -> None:
     def ours(new_policy, batch=prompts, max_new_tokens=args.max_new_tokens, drafter=proposer):
         outs, start = [], time.perf_counter()
         for ids in batch:
-            outs.append(generate(runner, drafter, ids, max_new_tokens, new_policy(), eos_token_ids=(eos,)).tokens)
+            outs.append(generate(runner, drafter, ids, max_new_tokens, new_policy(ids), eos_token_ids=(eos,)).tokens)
         return outs, sum(map(len, outs)) / (time.perf_counter() - start)
 
     def theirs(num_assistant_tokens=None, batch=prompts, max_new_tokens=args.max_new_tokens):
@@ -83,14 +84,14 @@ def main() -> None:
 
     arms = {"ours_default": lambda **kw: ours(default_policy, **kw),
             "hf_default": lambda **kw: theirs(**kw),
-            f"ours_static{args.k}": lambda **kw: ours(lambda: Static(args.k), **kw),
+            f"ours_static{args.k}": lambda **kw: ours(lambda _: Static(args.k), **kw),
             f"hf_static{args.k}": lambda **kw: theirs(args.k, **kw),
             # transformers' default rule in our runtime (stop below 0.4 confidence, at most 20): runtime against runtime
-            "ours_hf_rule": lambda **kw: ours(lambda: Confidence(0.4, 20), **kw),
+            "ours_hf_rule": lambda **kw: ours(lambda _: Confidence(0.4, 20), **kw),
             # our default policy with the drafter's full head: what the frequency-ranked head adds
             "ours_full_head": lambda **kw: ours(policy_factory(defaults), drafter=full_head, **kw),
             # the target alone (our runtime, nothing drafted): what any drafting has to beat
-            "autoregressive": lambda **kw: ours(lambda: Static(0), drafter=NoProposer(target.vocab_size), **kw)}
+            "autoregressive": lambda **kw: ours(lambda _: Static(0), drafter=NoProposer(target.vocab_size), **kw)}
     for arm in arms.values():  # warm-up: first calls allocate
         arm(batch=prompts[:1], max_new_tokens=16)
     rates, outputs = {name: [] for name in arms}, {}

@@ -142,7 +142,8 @@ def regenerate(target: str, data: str, out: str, limit: int | None = None, turns
 
 
 def export(checkpoint: str, format: str = "native", out: str = "export", speculative_tokens: int = 3) -> None:
-    """Export a trained drafter (a .ckpt, or a run directory: its best-*.ckpt, else last.ckpt).
+    """Export a trained drafter: a .ckpt, a DeepSpeed ZeRO checkpoint directory, or a run directory
+    (the checkpoint Lightning's ModelCheckpoint recorded as best; the newest one without a monitor).
 
     Each export is checked against its consumer's contract (tensor names and shapes, config
     fields), then reloaded and its logits compared with the trained module's.
@@ -298,7 +299,37 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
                 logger.init_args.save_dir = trainer.default_root_dir
 
     return DraftsmithCLI(args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
-                         save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+                         save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
+                         auto_configure_optimizers=False)
+
+
+def _config_saver() -> type:
+    """LightningCLI's config saving, moved beside the run's checkpoints.
+
+    Lightning writes config.yaml into `trainer.log_dir`, which is the working directory when a
+    recipe has no logger; this writes it where the run keeps its files (the logger's directory,
+    else the checkpoint directory) once training starts, and nowhere when the run keeps none."""
+    from pytorch_lightning.cli import SaveConfigCallback
+
+    class SaveConfigBesideRun(SaveConfigCallback):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
+
+        def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            pass  # at setup the checkpoint directory is not resolved yet: on_train_start writes
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            checkpoint = trainer.checkpoint_callback
+            where = trainer.log_dir if trainer.loggers else getattr(checkpoint, "dirpath", None)
+            if where is None or not trainer.is_global_zero:
+                return
+            from pathlib import Path
+
+            Path(where).mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(Path(where) / self.config_filename), skip_none=False,
+                             overwrite=self.overwrite, multifile=self.multifile)
+
+    return SaveConfigBesideRun
 
 
 def _json_dumps(obj: Any) -> str:

@@ -13,6 +13,18 @@ def _newest(root: Path, pattern: str) -> Path | None:
     return found[-1] if found else None
 
 
+def recipe_eval_config(raw: dict[str, Any], drafter: str, out: str, **options: Any) -> Any:
+    """The eval config `run` uses: the recipe's target, and for held-out prompts exactly the recipe's
+    validation split (its chats, its data.limit, its data.val_fraction); `options` are run's own."""
+    from draftsmith.data.conversations import VAL_FRACTION
+    from draftsmith.eval.evaluate import EvalConfig
+
+    model, data = raw["model"]["init_args"], raw["data"]["init_args"]
+    return EvalConfig(target=model["target"], drafter=drafter, data=data.get("data", "sharegpt"),
+                      val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out,
+                      **options)
+
+
 def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
     """Hidden-state layers a recipe's feature directory must hold: those the drafter fuses (EAGLE-3's
     default when none are named) and the data's `layer_ids` (layers kept for other recipes sharing it)."""
@@ -72,15 +84,16 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     import yaml
 
     from draftsmith.cli import lightning_cli
-    from draftsmith.eval.evaluate import EvalConfig, evaluate
+    from draftsmith.eval.evaluate import evaluate
     from draftsmith.eval.report import plots, table, write_results
     from draftsmith.export import export
+    from draftsmith.export.checkpoint import best_checkpoint
 
     path = Path(recipe)
     if not path.is_file():
         raise DraftsmithError(f"recipe {recipe} not found")
     raw = yaml.safe_load(path.read_text())
-    model, data, trainer = raw["model"]["init_args"], raw["data"]["init_args"], raw["trainer"]
+    trainer = raw["trainer"]
     root = Path(out or trainer.get("default_root_dir") or f"runs/{path.stem}")
 
     # 1. features (offline recipes)
@@ -94,9 +107,7 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
         args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])
         cli = lightning_cli(args, run=False)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(last) if last else None)
-    best = _newest(root, "best-*.ckpt") or _newest(root, "last.ckpt")
-    if best is None:
-        raise DraftsmithError(f"no checkpoint under {root} after training")
+    best = best_checkpoint(root)  # Lightning's record of the best score, not a file name
 
     # 3. export
     console.rule("[bold]3/4 export")
@@ -105,9 +116,9 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
 
     # 4. evaluation
     console.rule("[bold]4/4 eval")
-    cfg = EvalConfig(target=model["target"], drafter=exported["out"], prompts=prompts, limit=limit,
-                     max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree,
-                     lookup=lookup, dtype=dtype, repeats=repeats, out=str(root / "eval"))
+    cfg = recipe_eval_config(raw, exported["out"], str(root / "eval"), prompts=prompts, limit=limit,
+                             max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree,
+                             lookup=lookup, dtype=dtype, repeats=repeats)
     results = evaluate(cfg, console)
     results["checkpoint"] = str(best)
     json_path = write_results(results, Path(cfg.out))

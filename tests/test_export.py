@@ -1,13 +1,18 @@
 """Every export format: contract (names, shapes, config fields) and reloaded logits."""
 
+import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
-from draftsmith.export import check_config, check_tensors, export, load_native
+from draftsmith.export import export
+from draftsmith.export.common import check_config
+from draftsmith.export.eagle import check_eagle
+from draftsmith.models.loading import TOKEN_COUNTS, load_native, load_proposer
 from draftsmith.models.target import load_target
 from tests.conftest import run_cli
 from tests.train.test_fit import recipe, tiny_features  # noqa: F401  (fixture)
@@ -46,7 +51,7 @@ def test_eagle_format_per_engine(eagle_ckpt, tmp_path):
     assert {"embed_tokens.weight", "fc.bias"} <= set(ref) and ref.keys() == tensors.keys()
     assert json.loads((tmp_path / "e" / "eagle-reference" / "config.json").read_text())["rope_scaling"] is None
     sizes = dict(SIZES, V=ref["embed_tokens.weight"].shape[0])
-    check_tensors("eagle", tensors, sizes, "vllm")
+    check_eagle(tensors, sizes, "vllm")
     with pytest.raises(DraftsmithError, match="--format eagle3 is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter"):
         export(str(eagle_ckpt), "eagle3", str(tmp_path / "x"))
 
@@ -93,14 +98,14 @@ def test_contract_checks_catch_each_kind_of_break():
             "layers.0.self_attn.v_proj.weight": torch.zeros(16, 32), "layers.0.self_attn.o_proj.weight": torch.zeros(32, 32),
             "layers.0.mlp.gate_proj.weight": torch.zeros(64, 32), "layers.0.mlp.up_proj.weight": torch.zeros(64, 32),
             "layers.0.mlp.down_proj.weight": torch.zeros(32, 64), "layers.0.post_attention_layernorm.weight": torch.zeros(32)}
-    check_tensors("eagle", good, SIZES, "x")
+    check_eagle(good, SIZES, "x")
     for broken, message in [
         ({k: v for k, v in good.items() if k != "fc.bias"}, "missing fc.bias"),
         ({**good, "fc.weight": torch.zeros(32, 96)}, r"fc.weight: shape \(32, 96\), expected \(32, 64\)"),
         ({**good, "layers.0.input_layernorm.weight": torch.zeros(32)}, "unexpected tensor layers.0.input_layernorm"),
     ]:
         with pytest.raises(DraftsmithError, match=message):
-            check_tensors("eagle", broken, SIZES, "x")
+            check_eagle(broken, SIZES, "x")
     with pytest.raises(DraftsmithError, match="missing eagle_config.eagle_aux_hidden_state_layer_ids"):
         check_config({"architectures": ["A"]}, {"architectures": ["A"], "eagle_config.eagle_aux_hidden_state_layer_ids": [1]}, "x")
     with pytest.raises(DraftsmithError, match="norm_before_residual = True, expected False"):
@@ -119,8 +124,6 @@ def test_standalone_distill_and_native_export(tiny_features, tmp_path):
     assert model.config.num_hidden_layers == 1 and json.loads((out / "draftsmith.json").read_text())["kind"] == "standalone"
     # the training split's assistant-token counts travel with the export: the runtime's ranked head reads them
     from draftsmith.data.modules import FeatureDataModule
-    from draftsmith.eval.evaluate import load_proposer
-    from draftsmith.export import TOKEN_COUNTS
 
     dm = FeatureDataModule(str(tiny_features / "features"), max_tokens=300, val_fraction=0.2)
     dm.setup("fit")
@@ -134,3 +137,95 @@ def test_standalone_distill_and_native_export(tiny_features, tmp_path):
     assert load_proposer(str(out), target, head_vocab=0)[0].head_ids is None
     with pytest.raises(DraftsmithError, match="exports as `native`"):
         export(str(tmp_path / "run" / "ckpt" / "last.ckpt"), "eagle", str(tmp_path / "x"))
+
+
+def test_a_run_directory_exports_the_checkpoint_lightning_recorded_as_best(tiny_features, tmp_path):
+    """save_top_k 2: file names (best-step=9 sorts after best-step=12) and times (the newest) both
+    point elsewhere; the best score, as ModelCheckpoint recorded it, decides."""
+    import yaml
+
+    from draftsmith.export.checkpoint import best_checkpoint
+
+    path = recipe(tiny_features, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"].update(max_steps=12, val_check_interval=3)
+    cfg["trainer"]["callbacks"] = [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {
+        "dirpath": str(tmp_path / "run" / "ckpt"), "monitor": "val/loss", "mode": "max", "save_top_k": 2,
+        "save_last": True, "filename": "best-{step}"}}]
+    path.write_text(yaml.safe_dump(cfg))
+    result = run_cli("fit", "--config", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    record = next(v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    kept = sorted((tmp_path / "run" / "ckpt").glob("best-*.ckpt"))
+    assert len(kept) == 2
+    by_name, by_time = kept[-1], max(kept, key=lambda p: p.stat().st_mtime)
+    best = best_checkpoint(tmp_path / "run")
+    assert best == Path(record["best_model_path"]) and best not in (by_name, by_time)
+    # and the score it holds is the highest val/loss of the run's validations
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "logs" / "version_0" / "metrics.csv")) if r.get("val/loss")]
+    assert float(record["best_model_score"]) == pytest.approx(max(float(r["val/loss"]) for r in rows))
+    exported = export(str(tmp_path / "run"), "native", str(tmp_path / "n"))
+    assert exported["checkpoint"] == str(best)
+
+
+DEEPSPEED_ZERO = """
+import os, sys, torch
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import deepspeed
+from draftsmith.export.checkpoint import module_from_checkpoint
+ckpt = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+ckpt["path"] = sys.argv[1]
+module = module_from_checkpoint(ckpt).train()
+deepspeed.init_distributed(dist_backend="gloo")
+engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+    config={"train_batch_size": 1, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
+# what Lightning's DeepSpeedStrategy.save_checkpoint writes: the checkpoint dict, less weights and optimizer
+client = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states", "path")}
+engine.save_checkpoint(sys.argv[2], client_state=client, tag="checkpoint")
+"""
+
+
+def test_a_deepspeed_zero_directory_is_converted_and_exported(eagle_ckpt, tmp_path):
+    """ZeRO writes a directory of shards; export consolidates it with DeepSpeed's own converter."""
+    import random
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    zero = tmp_path / "run" / "best-step=2.ckpt"
+    script = tmp_path / "zero.py"
+    script.write_text(DEEPSPEED_ZERO)
+    made = subprocess.run([sys.executable, str(script), str(eagle_ckpt), str(zero), str(random.randint(20000, 40000))],
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0 and (zero / "latest").is_file(), made.stderr[-3000:]
+    result = export(str(zero), "eagle", str(tmp_path / "e"))
+    assert result["max_logit_error"] < 1e-4 and result["checkpoint"] == str(zero)
+    assert (tmp_path / "run" / "best-step=2.ckpt.fp32.ckpt").is_file()  # consolidated once, beside it
+    export(str(eagle_ckpt), "eagle", str(tmp_path / "e0"))
+    a, b = (load_file(p / "vllm" / "model.safetensors") for p in (tmp_path / "e", tmp_path / "e0"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+BOUNDARY = """
+import sys
+from draftsmith.eval.evaluate import EvalConfig, evaluate
+results = evaluate(EvalConfig(target=sys.argv[1], drafter=sys.argv[2], prompts="mtbench", limit=1, max_new_tokens=4,
+                              repeats=1, dtype="float32", out=sys.argv[3]))
+assert results["acceptance"]["rounds"] > 0
+print("loaded:", sorted(m for m in sys.modules if m.startswith(("draftsmith.train", "draftsmith.export"))))
+"""
+
+
+def test_eval_loads_nothing_from_training_or_export_writers(eagle3_ckpt, tiny_features, tmp_path):
+    """The runtime and eval stand on the models alone: a served drafter needs no training code."""
+    import subprocess
+    import sys
+
+    export(str(eagle3_ckpt), "native", str(tmp_path / "n"))
+    out = subprocess.run([sys.executable, "-c", BOUNDARY, str(tiny_features / "target"), str(tmp_path / "n"),
+                          str(tmp_path / "eval")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "loaded: []" in out.stdout, out.stdout

@@ -6,6 +6,35 @@ from tests.conftest import run_cli, sample_chats, save_tiny_target
 from tests.train.test_fit import recipe
 
 
+def validation_ids(cfg: dict) -> list[str]:
+    """The conversation ids the training run validated on (its DataModule's split)."""
+    from draftsmith.data.modules import FeatureDataModule
+
+    args = {k: v for k, v in cfg["data"]["init_args"].items() if k in ("features_dir", "val_fraction", "max_tokens")}
+    dm = FeatureDataModule(**args)
+    dm.setup("fit")
+    return [dm.dataset.ids[i] for i in dm.val_indices]
+
+
+def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.extract import ExtractConfig, extract
+    from draftsmith.pipeline import recipe_eval_config
+
+    root = tmp_path / "tiny"
+    save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(60)))
+    path = recipe(root, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["init_args"].update(data=str(root / "chats.json"), limit=50, val_fraction=0.3)
+    extract(ExtractConfig(target=str(root / "target"), data=str(root / "chats.json"), out=str(root / "features"),
+                          max_length=256, limit=50, dtype="float32", feature_dtype="float32"))
+    eval_cfg = recipe_eval_config(cfg, drafter=None, out=str(tmp_path / "eval"))
+    prompts = load_prompts("heldout", None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit)
+    expected = validation_ids(cfg)
+    assert len(expected) >= 5 and [p["id"] for p in prompts] == expected
+
+
 def test_run_goes_end_to_end_and_skips_finished_stages(tmp_path):
     root = tmp_path / "tiny"
     save_tiny_target(root / "target")
@@ -15,13 +44,17 @@ def test_run_goes_end_to_end_and_skips_finished_stages(tmp_path):
     cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=256)  # features: not there yet
     cfg["trainer"]["max_steps"] = 3
     path.write_text(yaml.safe_dump(cfg))
-    args = ["run", str(path), "--limit", "2", "--max_new_tokens", "8", "--repeats", "1", "--dtype", "float32"]
+    args = ["run", str(path), "--prompts", "heldout", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+            "--dtype", "float32"]
     first = run_cli(*args, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "1/4 extract" in first.stdout and "2/4 fit" in first.stdout and "speedup =" in first.stdout
     assert (root / "features" / "manifest.json").is_file()
     results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
     assert results["config"]["drafter"].startswith("eagle3") and results["acceptance"]["rounds"] > 0
+    # held-out prompts are the recipe's own validation chats, not the embedded ShareGPT's
+    assert results["config"]["data"] == str(root / "chats.json")
+    assert set(results["config"]["prompt_ids"]) <= set(validation_ids(cfg)) and results["config"]["prompt_ids"]
     again = run_cli(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "1/4 extract" not in again.stdout and "2/4 fit" not in again.stdout and "4/4 eval" in again.stdout

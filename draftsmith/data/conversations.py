@@ -67,6 +67,9 @@ class SourceReport:
         }
 
 
+VAL_FRACTION = 0.05  # the default share of conversations held out for validation (and `--prompts heldout`)
+
+
 def split_of(conversation_id: str, val_fraction: float) -> str:
     """Deterministic train/val split by conversation id (stable across runs and machines)."""
     digest = hashlib.sha1(conversation_id.encode("utf-8")).digest()
@@ -177,8 +180,8 @@ def _records(source: str, report: SourceReport) -> tuple[Iterator[Any], str]:
 
 def _read_text(path: Path) -> str:
     data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
+    try:  # utf-8-sig: files saved by common Windows tools start with a byte-order mark
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DraftsmithError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
 

@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.conversations import split_of
+from draftsmith.data.conversations import VAL_FRACTION, split_of
 from draftsmith.data.features import FeatureReader, read_manifest
 
 
@@ -152,7 +152,7 @@ class FeatureDataModule(_LengthBatched):
         limit: the conversation limit, for that hint.
     """
 
-    def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = 0.05,
+    def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = VAL_FRACTION,
                  max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
                  target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None):
         super().__init__()
@@ -235,7 +235,7 @@ class ChatDataModule(_LengthBatched):
     online = True
 
     def __init__(self, target: str, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
-                 val_fraction: float = 0.05, max_tokens: int = 16384, max_batch_size: int = 64,
+                 val_fraction: float = VAL_FRACTION, max_tokens: int = 16384, max_batch_size: int = 64,
                  num_workers: int = 0, seed: int = 0):
         super().__init__()
         self.target, self.data, self.max_length, self.limit = target, data, max_length, limit

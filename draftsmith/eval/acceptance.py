@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from draftsmith.runtime.generate import GenerationResult, TargetRunner, generate
-from draftsmith.runtime.proposers import NoProposer
+from draftsmith.runtime.policies import Policy
+from draftsmith.runtime.proposers import NoProposer, Proposer
 from draftsmith.runtime.sampling import SamplingConfig
 
 
@@ -48,13 +49,13 @@ def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
     }
 
 
-def decode_all(runner: TargetRunner, proposer: Any, prompts: list[list[int]], max_new_tokens: int,
-               make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...],
+def decode_all(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], max_new_tokens: int,
+               make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...],
                seed: int, on_prompt: Callable[[], None] | None = None, tree: Any = None) -> list[GenerationResult]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for ids in prompts:
-        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(), sampling, eos_token_ids=eos,
+        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(ids), sampling, eos_token_ids=eos,
                             generator=g, tree=tree))
         if on_prompt:
             on_prompt()
@@ -74,8 +75,8 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
     return float(torch.isin(tokens, draftable.cpu()).float().mean())
 
 
-def measure(runner: TargetRunner, proposer: Any, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
-            make_policy: Callable[[], Any], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
+def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
+            make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
             seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None) -> dict[str, Any]:
     """Both arms over the same prompts, alternating, `repeats` times after a warm-up."""
     baseline = NoProposer(runner.head.weight.shape[0])

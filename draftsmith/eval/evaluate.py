@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
+from draftsmith.data.conversations import VAL_FRACTION
 
 
 @dataclass
@@ -18,7 +17,9 @@ class EvalConfig:
     prompts: str = "mtbench"
     limit: int | None = None
     turns: str = "first"
-    data: str = "sharegpt"
+    data: str = "sharegpt"  # the chats whose validation split `heldout` prompts come from
+    val_fraction: float = VAL_FRACTION  # as the training recipe's data.val_fraction
+    data_limit: int | None = None  # as the training recipe's data.limit: the conversations it split
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int | None = None
@@ -44,6 +45,9 @@ class EvalConfig:
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
         if self.tree in ("", "none", "chain"):
             self.tree = None
+        if self.policy == "oracle" and self.temperature > 0:
+            raise DraftsmithError("--policy oracle is a greedy bound (it drafts until the first token that differs "
+                                  "from the target's greedy text): use --temperature 0")
         if self.lookup and self.tree is None:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         self.tree_shape()
@@ -61,61 +65,21 @@ class EvalConfig:
         return TreeShape(depth, topk, total, self.lookup)
 
 
-def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tuple[Any, str]:
-    """(proposer, description) for a native export directory, or plain decoding for None.
-
-    head_vocab > 0: a standalone drafter exported with its training data's token counts drafts
-    among its `head_vocab` most frequent tokens (its head runs over those rows only).
-    """
-    from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
-
-    if drafter in (None, "none"):
-        return NoProposer(target.vocab_size), "autoregressive"
-    path = Path(drafter)
-    if (path / "draftsmith.json").is_file():  # a standalone draft LM
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
-        head_ids = standalone_head_ids(path, target, head_vocab)
-        what = f"standalone ({path.name}" + (f", {len(head_ids)}-token head)" if head_ids is not None else ")")
-        return ModelProposer(model, target.vocab_size, head_ids), what
-    if not (path / "config.json").is_file():
-        raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
-    from draftsmith.export import load_native
-
-    config = json.loads((path / "config.json").read_text())
-    drafter_module = load_native(path, target).to(device=target.device, dtype=target.dtype)  # int buffers stay int
-    return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
-
-
-def standalone_head_ids(path: Path, target: Any, head_vocab: int) -> Any:
-    """The `head_vocab` most frequent assistant tokens of a standalone export's training data (EOS
-    and PAD always in), or None for the full head: head_vocab 0 or ≥ V, or an export without counts."""
-    from draftsmith.export import TOKEN_COUNTS
-    from draftsmith.models.eagle3 import draft_vocab
-
-    if not head_vocab or head_vocab >= target.vocab_size or not (path / TOKEN_COUNTS).is_file():
-        return None
-    from safetensors.torch import load_file
-
-    counts = load_file(str(path / TOKEN_COUNTS))["token_counts"]
-    if len(counts) != target.vocab_size:
-        raise DraftsmithError(f"{path / TOKEN_COUNTS}: {len(counts)} token counts for a target vocabulary of "
-                              f"{target.vocab_size}; re-export the drafter trained for this target")
-    tok = target.tokenizer
-    specials = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
-    return draft_vocab(counts, head_vocab, always=specials)
-
-
-def policy_factory(cfg: EvalConfig) -> Callable[[], Any]:
-    """A fresh draft-length policy per generation, as --policy, --k and --threshold ask; the
-    cost-aware policies of one run share a meter, so later prompts start from what earlier ones measured."""
+def policy_factory(cfg: EvalConfig, references: dict[tuple[int, ...], list[int]] | None = None
+                   ) -> Callable[[list[int]], Any]:
+    """A fresh draft-length policy per generation (given its prompt), as --policy, --k and --threshold
+    ask; the cost-aware policies of one run share a meter, so later prompts start from what earlier ones
+    measured. The oracle reads `references`: each prompt's ids → prompt + the target's greedy continuation."""
     from draftsmith.runtime.policies import CostMeter, make_policy
 
     args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
             "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
     make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
-    return lambda: make_policy(cfg.policy, **args)
+    if cfg.policy == "oracle":
+        if references is None:
+            raise DraftsmithError("the oracle policy needs the target's greedy continuations (evaluate computes them)")
+        return lambda prompt: make_policy("oracle", reference=references[tuple(prompt)], **args)
+    return lambda prompt: make_policy(cfg.policy, **args)
 
 
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
@@ -125,8 +89,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.loading import load_proposer
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
@@ -137,8 +103,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     tok = target.tokenizer
     eos = target.eos_token_ids
-    new_policy = policy_factory(cfg)
-    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data)
+    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit)
     encode = target.encode_chat
 
     conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
@@ -146,11 +111,16 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         for conv, p in zip(conversations, prompts):
             if len(p["turns"]) > 1:
                 first = generate(runner, NoProposer(target.vocab_size), encode(conv), cfg.max_new_tokens,
-                                 new_policy(), SamplingConfig(), eos_token_ids=eos)
+                                 Static(0), SamplingConfig(), eos_token_ids=eos)
                 conv += [{"role": "assistant", "content": tok.decode(first.tokens, skip_special_tokens=True)},
                          {"role": "user", "content": p["turns"][1]}]
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
+    references = None
+    if cfg.policy == "oracle":  # the bound knows the target's greedy text of every prompt in advance
+        references = {tuple(x): x + generate(runner, NoProposer(target.vocab_size), x, cfg.max_new_tokens, Static(0),
+                                             SamplingConfig(), eos_token_ids=eos).tokens for x in ids}
+    new_policy = policy_factory(cfg, references)
     load_before = _load_average()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -165,7 +135,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     for sample in results["samples"]:
         sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
-                         "num_prompts": len(ids), "target_identity": target.identity.as_dict()}
+                         "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                                     "load_average": [load_before, _load_average()]}
     busy = max((x for x in machine["load_average"] if x is not None), default=0.0)

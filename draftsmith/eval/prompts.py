@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.data.conversations import VAL_FRACTION
 
 PROMPT_SETS = ("mtbench", "humaneval", "heldout")
 
@@ -47,12 +48,13 @@ def humaneval() -> list[dict[str, Any]]:
             for task_id, p in read_problems().items()]
 
 
-def heldout(data: str = "sharegpt", val_fraction: float = 0.05) -> list[dict[str, Any]]:
-    """First user turn of each validation-split conversation (the split training used)."""
+def heldout(data: str = "sharegpt", val_fraction: float = VAL_FRACTION, data_limit: int | None = None) -> list[dict[str, Any]]:
+    """First user turn of each validation-split conversation: the split training used, over the
+    same conversations (`data_limit`: the first N kept, as the recipe's `data.limit`)."""
     from draftsmith.data.conversations import read_conversations, split_of
 
     out = []
-    for conv in read_conversations(data):
+    for conv in read_conversations(data, limit=data_limit):
         if split_of(conv.id, val_fraction) == "val":
             first = next(m["content"] for m in conv.messages if m["role"] == "user")
             out.append({"id": conv.id, "category": "heldout", "turns": [first]})
@@ -60,14 +62,14 @@ def heldout(data: str = "sharegpt", val_fraction: float = 0.05) -> list[dict[str
 
 
 def load_prompts(name: str, limit: int | None = None, turns: str = "first", data: str = "sharegpt",
-                 val_fraction: float = 0.05) -> list[dict[str, Any]]:
+                 val_fraction: float = VAL_FRACTION, data_limit: int | None = None) -> list[dict[str, Any]]:
     """A prompt set, subsampled evenly across categories when `limit` is given."""
     if name == "mtbench":
         prompts = mtbench(turns)
     elif name == "humaneval":
         prompts = humaneval()
     elif name == "heldout":
-        prompts = heldout(data, val_fraction)
+        prompts = heldout(data, val_fraction, data_limit)
     else:
         raise DraftsmithError(f"unknown prompt set {name!r}; choose one of {PROMPT_SETS}")
     if limit is not None and limit < len(prompts):

@@ -187,6 +187,14 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
@@ -277,10 +285,19 @@ def _merge_adapter(model: Any, adapter: str) -> Any:
 
 
 def _gguf_cache(path: Path) -> Path:
-    """Dequantize a GGUF once into a safetensors directory; later loads read that (fast)."""
+    """Dequantize a GGUF once into a safetensors directory; later loads read that (fast).
+
+    The directory is named by the file's content (sha256), so the same model installed in another
+    virtualenv or copied elsewhere reuses it; a small pointer per (path, size, mtime) spares
+    hashing the file on every load."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    where = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    pointer = cache_root() / "gguf" / "by-path" / where
+    key = pointer.read_text().strip() if pointer.is_file() else _file_sha256(path)[:16]
     final = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if not pointer.is_file():
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        pointer.write_text(key + "\n")
     if (final / "config.json").is_file():
         return final
     from safetensors.torch import save_file

@@ -19,6 +19,8 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
+from draftsmith.runtime.policies import Policy
+from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, tree_attention_mask, verify_tree,
                                      verify_tree_greedy)
@@ -124,7 +126,7 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
 
-def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], policy: Any, max_k: int,
+def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], policy: Policy, max_k: int,
                  sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
     """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
     token, the forward's outputs, and (drafted, depth)."""
@@ -143,7 +145,7 @@ def _chain_round(runner: TargetRunner, proposer: Any, sequence: list[int], polic
     return draft[:accepted], token, (final, aux), (k, k)
 
 
-def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape: TreeShape, room: int,
+def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int], shape: TreeShape, room: int,
                 sampling: SamplingConfig, generator: torch.Generator | None):
     """Draft an EAGLE-2 tree (with a prompt-lookup branch grafted on when the shape asks), verify it
     in one target forward under the tree mask, keep the accepted path's cache entries. Same returns
@@ -164,7 +166,7 @@ def _tree_round(runner: TargetRunner, proposer: Any, sequence: list[int], shape:
 
 
 @torch.no_grad()
-def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tokens: int, policy: Any,
+def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_new_tokens: int, policy: Policy,
              sampling: SamplingConfig = SamplingConfig(), rule: TargetRule | None = None,
              eos_token_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
              tree: TreeShape | None = None) -> GenerationResult:
@@ -173,7 +175,7 @@ def generate(runner: TargetRunner, proposer: Any, prompt: list[int], max_new_tok
     With `tree`, each round drafts an EAGLE-2 dynamic tree (feature drafters only) instead of
     asking `policy` for a chain; deferral rules (`rule`) apply to chain drafts.
     """
-    if tree is not None and not hasattr(proposer, "propose_tree"):
+    if tree is not None and not isinstance(proposer, TreeProposer):
         raise DraftsmithError(f"tree drafting needs a feature drafter (EAGLE/HASS/EAGLE-3), not {type(proposer).__name__}")
     if tree is not None and rule is not None:
         raise DraftsmithError("deferral rules (lossy verification, cascades) run on chain drafts; drop --tree")

@@ -1,8 +1,9 @@
-"""Draft-length policies: asked after each drafted token whether to draft another.
+"""Draft-length policies: asked before each drafted token whether to draft it.
 
-A policy sees the position j (tokens drafted so far this round), the drafter's raw
-distribution for the token just drafted, and the drafter's hidden state, so learned stop
-heads (SpecDec++, DISCO) plug in as policies. `end_round` tells it what was accepted.
+A policy reads only the draft (`DraftStep`): how many tokens were drafted this round, the
+last one, the drafter's raw distribution it was drawn from and the drafter's hidden state that
+produced that distribution, so learned stop heads (SpecDec++, DISCO) plug in as policies and
+decoding stays lossless whatever they decide. `end_round` tells it what was accepted.
 """
 
 from __future__ import annotations
@@ -11,11 +12,45 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from draftsmith import DraftsmithError
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The draft so far, as a policy sees it before deciding on token `position` + 1.
+
+    position: tokens drafted this round; token: the last of them (None at position 0);
+    q_raw (V,): the drafter's untempered distribution that token was drawn from; hidden (H,): the
+    drafter's hidden state that produced q_raw (at position 0, the state that will draft the first
+    token, where the proposer has one); committed: tokens in the sequence before this round."""
+
+    position: int
+    token: int | None = None
+    q_raw: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    committed: int = 0
+
+
+class Policy(Protocol):
+    """How many tokens a round drafts."""
+
+    name: str
+
+    def max_tokens(self) -> int:
+        """The most tokens a round may draft."""
+        ...
+
+    def keep_going(self, step: DraftStep) -> bool:
+        """Draft one more token after `step`?"""
+        ...
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        """What verification made of the round's draft."""
+        ...
 
 
 @dataclass
@@ -28,8 +63,8 @@ class Static:
     def max_tokens(self) -> int:
         return self.k
 
-    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        return position < self.k
+    def keep_going(self, step: DraftStep) -> bool:
+        return step.position < self.k
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
@@ -46,8 +81,8 @@ class Heuristic:
     def max_tokens(self) -> int:
         return self.k
 
-    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        return position < self.k
+    def keep_going(self, step: DraftStep) -> bool:
+        return step.position < self.k
 
     def end_round(self, drafted: int, accepted: int) -> None:
         self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
@@ -64,8 +99,8 @@ class Confidence:
     def max_tokens(self) -> int:
         return self.max_k
 
-    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        return position < self.max_k and (position == 0 or float(q_raw.max()) >= self.threshold)
+    def keep_going(self, step: DraftStep) -> bool:
+        return step.position < self.max_k and (step.position == 0 or float(step.q_raw.max()) >= self.threshold)
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
@@ -73,20 +108,31 @@ class Confidence:
 
 @dataclass
 class Oracle:
-    """Drafts max_k, but is charged only up to the first rejected token: an upper bound for evaluation."""
+    """The oracle draft length, an upper bound for evaluation, not a policy a user can run.
 
+    It knows the target's own greedy continuation (`reference`: prompt + continuation) and drafts
+    until the first token that differs from it, at most max_k. It is charged for what it drafts,
+    kept tokens and that one rejected token, as every policy is: the bound assumes a perfect
+    stop decision after each drafted token, not foreknowledge of the next draft. Greedy only.
+    """
+
+    reference: Sequence[int] = ()
     max_k: int = 8
     name: str = "oracle"
-    charged: list[int] = field(default_factory=list)
 
     def max_tokens(self) -> int:
         return self.max_k
 
-    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        return position < self.max_k
+    def keep_going(self, step: DraftStep) -> bool:
+        if step.position >= self.max_k:
+            return False
+        if step.position == 0:
+            return True
+        at = step.committed + step.position - 1  # where the last drafted token sits in the sequence
+        return at < len(self.reference) and self.reference[at] == step.token
 
     def end_round(self, drafted: int, accepted: int) -> None:
-        self.charged.append(min(drafted, accepted + 1))
+        pass
 
 
 class CostMeter:
@@ -169,13 +215,13 @@ class CostAware:
     def max_tokens(self) -> int:
         return self.max_k
 
-    def keep_going(self, position: int, q_raw: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        if position == 0:
+    def keep_going(self, step: DraftStep) -> bool:
+        if step.position == 0:
             return self._draft_at_all()
         cost, alpha = self._pay  # the meter changes only between rounds
-        if position >= self.max_k or cost is None or alpha is None:  # still measuring: one token a round
+        if step.position >= self.max_k or cost is None or alpha is None:  # still measuring: one token a round
             return False
-        self.chance *= float(q_raw.max())
+        self.chance *= float(step.q_raw.max())
         return alpha * self.chance >= cost
 
     def _draft_at_all(self) -> bool:
@@ -205,7 +251,7 @@ class CostAware:
 POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware}
 
 
-def make_policy(name: str, **kwargs) -> object:
+def make_policy(name: str, **kwargs) -> Policy:
     if name not in POLICIES:
         raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {sorted(POLICIES)}")
     return POLICIES[name](**kwargs)

@@ -10,15 +10,48 @@ Notation: K drafted tokens, V target vocab, H hidden, n newly committed anchors.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
+from draftsmith.runtime.policies import DraftStep, Policy
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
 
 Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
+
+
+class Proposer(Protocol):
+    """Who drafts. `needs_features`: fed the target's hidden states (`observe`) after every round;
+    `aux_layer_ids`: the target layers it reads besides the final one; `draftable`: the target ids
+    it can draft (None: any); `forwards`: drafter forward passes since `reset`."""
+
+    needs_features: bool
+    aux_layer_ids: list[int]
+    draftable: torch.Tensor | None
+    forwards: int
+
+    def reset(self) -> None:
+        """Forget the previous sequence (a new generation starts)."""
+        ...
+
+    def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """The tokens committed last round with their target features (n, H) and fused aux (n, k*Ht)."""
+        ...
+
+    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        """Draft up to max_k tokens after `sequence`, asking `policy` before each."""
+        ...
+
+
+@runtime_checkable
+class TreeProposer(Proposer, Protocol):
+    """A proposer that can also draft EAGLE-2 trees."""
+
+    def propose_tree(self, shape: TreeShape) -> DraftTree:
+        ...
 
 
 def _empty(v: int) -> Draft:
@@ -35,12 +68,9 @@ def _in_target_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: 
 class NoProposer:
     """Plain autoregressive decoding: nothing is drafted."""
 
-    needs_features = False
-    aux_layer_ids: list[int] = []
-    draftable = None  # target ids it can draft (None: any)
-
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
+        self.needs_features, self.aux_layer_ids, self.draftable = False, [], None
         self.forwards = 0
 
     def reset(self) -> None:
@@ -49,7 +79,7 @@ class NoProposer:
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
 
-    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         return _empty(self.vocab_size)
 
@@ -62,9 +92,8 @@ class FeatureProposer:
     anchors the last verification confirmed.
     """
 
-    needs_features = True
-
     def __init__(self, drafter: Any, vocab_size: int, aux_layer_ids: list[int] | None = None):
+        self.needs_features = True
         self.drafter = drafter.eval()
         self.vocab_size = vocab_size
         self.aux_layer_ids = list(aux_layer_ids or [])
@@ -97,11 +126,12 @@ class FeatureProposer:
         return _in_target_vocab(probs, self.to_target, self.vocab_size)
 
     @torch.no_grad()
-    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         tokens, scaled, raw = [], [], []
-        hidden, q_raw = self.hidden, None
-        while len(tokens) < max_k and policy.keep_going(len(tokens), q_raw, hidden):
+        hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token
+        step = DraftStep(0, hidden=hidden[0, 0], committed=committed)
+        while len(tokens) < max_k and policy.keep_going(step):
             logits = self.drafter.logits(hidden)[0, 0]  # (V or Vd)
             r, s = distributions(logits, sampling)
             r, s = self._to_target(r), self._to_target(s)
@@ -109,7 +139,7 @@ class FeatureProposer:
             tokens.append(x)
             scaled.append(s)
             raw.append(r)
-            q_raw = r
+            step = DraftStep(len(tokens), x, r, hidden[0, 0], committed)
             if len(tokens) < max_k:  # the next step reads (embed(x), own hidden) one position on
                 position = torch.tensor([[self.anchors - 1 + len(tokens)]], device=hidden.device)
                 keys = self.cache.get_seq_length() + 1
@@ -174,10 +204,8 @@ class ModelProposer:
     decoder's last hidden state: that is checked once here.
     """
 
-    needs_features = False
-    aux_layer_ids: list[int] = []
-
     def __init__(self, model: Any, vocab_size: int, head_ids: torch.Tensor | None = None):
+        self.needs_features, self.aux_layer_ids = False, []
         self.model = model.eval()
         self.vocab_size = vocab_size
         # the catch-up feed of a round needs only its last row's logits (a 49k head is ~5 ms a row in fp32 here)
@@ -203,22 +231,24 @@ class ModelProposer:
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
 
-    def _next_logits(self, tokens: list[int]) -> torch.Tensor:
-        """Feed tokens after the cache; the logits (V, or len(head_ids)) at the last of them."""
+    def _next_logits(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens after the cache; the logits (V, or len(head_ids)) at the last of them and the
+        decoder's last hidden state (H,) they come from."""
         feed = torch.tensor([tokens], device=self._device())
         self.forwards += 1
         if self.head is None:
-            out = self.model(input_ids=feed, use_cache=True, **cache_kwargs(self.model, self.cache), **self.last_row)
-            return out.logits[0, -1]
+            out = self.model(input_ids=feed, use_cache=True, output_hidden_states=True,
+                             **cache_kwargs(self.model, self.cache), **self.last_row)
+            return out.logits[0, -1], out.hidden_states[-1][0, -1]
         decoder = self.model.get_decoder()
         hidden = decoder(input_ids=feed, use_cache=True, **cache_kwargs(decoder, self.cache)).last_hidden_state
-        return self.head(hidden[0, -1])
+        return self.head(hidden[0, -1]), hidden[0, -1]
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return _in_target_vocab(probs, self.head_ids, self.vocab_size)
 
     @torch.no_grad()
-    def propose(self, sequence: list[int], policy: Any, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         # keep the keys of last round's drafts that were accepted; drop the rest
         start = len(self.cached)
@@ -229,9 +259,10 @@ class ModelProposer:
         if extra > 0:
             self.cache.crop(-extra)
         self.cached, self.fed = list(sequence[: start + keep]), []
-        if max_k <= 0 or not policy.keep_going(0, None, None):
+        committed = len(sequence)
+        if max_k <= 0 or not policy.keep_going(DraftStep(0, committed=committed)):
             return _empty(self.vocab_size)
-        logits = self._next_logits(sequence[len(self.cached):])
+        logits, hidden = self._next_logits(sequence[len(self.cached):])
         self.cached = list(sequence)
         tokens, scaled, raw = [], [], []
         while True:
@@ -241,9 +272,9 @@ class ModelProposer:
             tokens.append(x)
             scaled.append(s)
             raw.append(r)
-            if len(tokens) >= max_k or not policy.keep_going(len(tokens), r, None):
+            if len(tokens) >= max_k or not policy.keep_going(DraftStep(len(tokens), x, r, hidden, committed)):
                 break
-            logits = self._next_logits([x])
+            logits, hidden = self._next_logits([x])
             self.fed.append(x)
         return tokens, torch.stack(scaled), torch.stack(raw)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-from draftsmith.train.losses import HEAD_CHUNK, blocks, cache_rows
+from draftsmith.train.head_kernel import HEAD_CHUNK, blocks, cache_rows
 
 
 class DraftAcceptance(Metric):

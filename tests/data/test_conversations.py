@@ -24,6 +24,17 @@ def test_sharegpt_json_roles_normalized(tmp_path):
     assert (report.read, report.kept) == (2, 2) and _balanced(report)
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_utf8_byte_order_mark_is_read(tmp_path, suffix):
+    """Windows tools save UTF-8 with a byte-order mark; the file reads as without one."""
+    recs = sample_chats(3)
+    text = json.dumps(recs) if suffix == ".json" else "\n".join(json.dumps(r) for r in recs)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    convs, report = load_conversations(str(path))
+    assert [c.id for c in convs] == ["chat-0", "chat-1", "chat-2"] and report.skipped == {}
+
+
 def test_messages_jsonl_and_generated_ids(tmp_path):
     lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]})
              for i in range(3)]

@@ -1,3 +1,5 @@
+import os
+import shutil
 import warnings
 
 import pytest
@@ -5,7 +7,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import quiet_peft
-from draftsmith.models.target import load_target
+from draftsmith.models.target import load_target, resolve_embedded, resolve_source
 from tests.conftest import save_tiny_target
 
 
@@ -84,8 +86,18 @@ def test_bad_target_names_give_clear_errors(tmp_path):
 def test_embedded_gguf_target_loads_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
     target = load_target("embedded:smollm2-135m-instruct")
-    cached = list((tmp_path / "gguf").iterdir())
+    cached = [p for p in (tmp_path / "gguf").iterdir() if p.name != "by-path"]
     assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
+    # the same file at another path (another virtualenv's copy) reuses the cache: it is keyed by content
+    gguf = resolve_embedded("embedded:smollm2-135m-instruct")
+    elsewhere = tmp_path / "other-venv" / gguf.name
+    elsewhere.parent.mkdir()
+    try:
+        os.link(gguf, elsewhere)
+    except OSError:
+        shutil.copyfile(gguf, elsewhere)
+    assert resolve_source(str(elsewhere)) == str(cached[0])
+    assert [p for p in (tmp_path / "gguf").iterdir() if p.name != "by-path"] == cached
     again = load_target("embedded:smollm2-135m-instruct", dtype="bfloat16")  # from the cache now
     assert again.identity == target.identity
     ident = target.identity

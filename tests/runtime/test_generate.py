@@ -188,7 +188,23 @@ def test_a_ranked_head_refuses_a_model_whose_logits_are_not_a_plain_head(target)
         ModelProposer(scaled, V, head_ids=torch.arange(10))
 
 
-def test_oracle_is_charged_up_to_the_first_rejection(target):
-    policy = Oracle(4)
-    out = generate(TargetRunner(target), proposers(target)["standalone"], [1, 2, 3], 20, policy)
-    assert policy.charged == [min(r.drafted, r.accepted + 1) for r in out.rounds]
+@pytest.mark.parametrize("kind", ["standalone", "eagle"])  # on this tiny target: always right, always wrong
+def test_oracle_drafts_until_the_first_mismatch_with_the_target_greedy_text(target, kind):
+    """Knowing the target's greedy continuation, the oracle keeps every token Static(K) would keep and
+    stops drafting right after the first token the target rejects."""
+    prompt = [1, 2, 3]
+    plain = generate(TargetRunner(target), NoProposer(V), prompt, 20, Static(0))
+    drafter = proposers(target)[kind]
+    runner = TargetRunner(target, drafter.aux_layer_ids)
+    static = generate(runner, drafter, prompt, 20, Static(4))
+    oracle = generate(runner, drafter, prompt, 20, Oracle(prompt + plain.tokens, max_k=4))
+    assert oracle.tokens == static.tokens == plain.tokens
+    assert [r.accepted for r in oracle.rounds] == [r.accepted for r in static.rounds]
+    # every round stops right after its first rejected token, or keeps all it drafted (cut by K or the room left)
+    assert all(r.drafted in (r.accepted, r.accepted + 1) and r.drafted <= 4 for r in oracle.rounds)
+    if kind == "eagle":  # rejected at once: one drafted token a round (0 once no room is left), static pays four
+        assert {r.drafted for r in oracle.rounds} == {0, 1} and sum(r.drafted for r in static.rounds) > 3 * len(static.rounds)
+    else:
+        assert [r.drafted for r in oracle.rounds] == [r.drafted for r in static.rounds]
+
+

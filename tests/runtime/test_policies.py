@@ -5,7 +5,7 @@ import torch
 
 from draftsmith.eval.evaluate import EvalConfig, policy_factory
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import CostAware, CostMeter
+from draftsmith.runtime.policies import CostAware, CostMeter, DraftStep
 from draftsmith.runtime.proposers import ModelProposer, NoProposer
 from tests.runtime.conftest import V
 
@@ -28,9 +28,9 @@ def conf(p: float) -> torch.Tensor:
 def play(policy: CostAware, clock: Clock, confidences: list[float], accepted: int, plain_s=0.010, per_token_s=0.003):
     """One round as the runtime drives it: ask, 'draft' while told to, verify; returns K."""
     k = 0
-    if policy.keep_going(0, None, None):
+    if policy.keep_going(DraftStep(0)):
         k = 1
-        while policy.keep_going(k, conf(confidences[k - 1]), None):
+        while policy.keep_going(DraftStep(k, q_raw=conf(confidences[k - 1]))):
             k += 1
     clock.now += plain_s + per_token_s * k
     policy.end_round(k, min(accepted, k))
@@ -109,7 +109,7 @@ def test_the_runtime_with_a_cost_aware_policy(target):
 
     class Wrong(NoProposer):
         def propose(self, sequence, policy, max_k, sampling, generator):
-            if max_k <= 0 or not policy.keep_going(0, None, None):
+            if max_k <= 0 or not policy.keep_going(DraftStep(0)):
                 return [], torch.zeros(0, V), torch.zeros(0, V)
             logits = target(torch.tensor([sequence])).logits[0, -1]
             bad = (int(logits.argmax()) + 1) % V
@@ -124,6 +124,36 @@ def test_the_runtime_with_a_cost_aware_policy(target):
 
 def test_eval_default_is_cost_aware_with_one_meter_per_run():
     new_policy = policy_factory(EvalConfig(target=""))
-    a, b = new_policy(), new_policy()
+    a, b = new_policy([]), new_policy([])
     assert isinstance(a, CostAware) and a.max_k == 4 and a.meter is b.meter
-    assert policy_factory(EvalConfig(target=""))().meter is not a.meter
+    assert policy_factory(EvalConfig(target=""))([]).meter is not a.meter
+
+
+def test_policies_read_the_hidden_state_that_drafted_each_token(target):
+    """Each step's hidden state is the drafter's state whose distribution the step's token was drawn
+    from: a stop head reading it judges the token it is asked about (feature and standalone drafters)."""
+    from tests.runtime.test_generate import proposers
+
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.proposers import FeatureProposer
+
+    class Recorder(Static):
+        def keep_going(self, step):
+            steps.append(step)
+            return super().keep_going(step)
+
+    for name, proposer in proposers(target).items():
+        if name == "none":
+            continue
+        steps = []
+        generate(TargetRunner(target, proposer.aux_layer_ids), proposer, [1, 2, 3], 12, Recorder(3))
+        drafted = [s for s in steps if s.position > 0]
+        assert drafted and all(s.hidden is not None and s.hidden.dim() == 1 for s in drafted), name
+        for s in drafted:
+            if isinstance(proposer, FeatureProposer):
+                logits = proposer.drafter.logits(s.hidden[None, None])[0, 0]
+            else:
+                logits = (proposer.head or proposer.model.get_output_embeddings())(s.hidden)
+            probs = proposer._to_target(torch.softmax(logits.float(), -1))
+            assert torch.allclose(probs, s.q_raw, atol=1e-5), name
+            assert s.token == int(s.q_raw.argmax())

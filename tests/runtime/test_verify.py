@@ -8,7 +8,7 @@ from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_to
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
 V, N = 6, 30000
-CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+ALPHA = 1e-3  # a test fails when its samples are this unlikely under the law they should follow
 
 
 def chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
@@ -16,6 +16,26 @@ def chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
     seen = expected > 0
     assert counts[~seen].sum() == 0, "a token of zero probability was produced"
     return float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
+
+
+def chi2_p_value(counts: torch.Tensor, law: torch.Tensor) -> float:
+    """P(χ² ≥ observed) under `law`, degrees of freedom = cells of nonzero probability − 1:
+    the upper regularized incomplete gamma Q(df/2, χ²/2)."""
+    df = int((law > 0).sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(chi2(counts, law) / 2, dtype=torch.float64)))
+
+
+def test_chi2_p_value_matches_the_tables():
+    """5 degrees of freedom: χ² = 20.52 is the 0.1 % point, 11.07 the 5 % point, 4.35 the median."""
+    law = torch.full((6,), 1 / 6)
+    for statistic, p in [(20.52, 0.001), (11.07, 0.05), (4.35, 0.5)]:
+        # counts whose statistic is `statistic`: move mass between two cells of 6000 draws
+        d = (statistic * 1000 / 2) ** 0.5
+        counts = torch.full((6,), 1000.0)
+        counts[0] += d
+        counts[1] -= d
+        assert abs(chi2_p_value(counts, law) - p) < 0.02 * p + 1e-4
 
 
 def tv_bound(law: torch.Tensor, n: int) -> float:
@@ -50,9 +70,9 @@ def test_single_step_output_follows_p_including_the_bonus(seed):
         if n == 1:
             bonus[token] += 1
             accepted += 1
-    assert chi2(firsts, p1) < CHI2_DF5_P001
+    assert chi2_p_value(firsts, p1) > ALPHA
     assert float((firsts / N - p1).abs().sum() / 2) < tv_bound(p1, N)
-    assert chi2(bonus, p2) < CHI2_DF5_P001
+    assert chi2_p_value(bonus, p2) > ALPHA
     expected_rate = float(torch.minimum(p1, q).sum())  # acceptance probability Σ min(p, q)
     assert abs(accepted / N - expected_rate) < 5 * (expected_rate * (1 - expected_rate) / N) ** 0.5
 
@@ -63,7 +83,7 @@ def test_deterministic_draft_is_one_hot_q():
     draft = torch.tensor([4])
     one_hot = torch.nn.functional.one_hot(draft, V).float()
     counts = law_of(lambda: (lambda n, t: 4 if n else t)(*verify_chain(draft, one_hot, torch.stack([p, p]), g)))
-    assert chi2(counts, p) < CHI2_DF5_P001
+    assert chi2_p_value(counts, p) > ALPHA
 
 
 def test_the_q_contract_matters():
@@ -75,7 +95,7 @@ def test_the_q_contract_matters():
         x = sample(q_true, g).reshape(1)
         n, t = verify_chain(x, q_claimed[None], torch.stack([p, p]), g)
         counts[int(x) if n else t] += 1
-    assert chi2(counts, p) > 3 * CHI2_DF5_P001
+    assert chi2_p_value(counts, p) < 1e-12  # the wrong q is caught
 
 
 def test_edge_cases():
@@ -135,6 +155,36 @@ def test_cascade_mixtures(rule):
     assert verify_chain(x, q[None], torch.stack([targets.mixture(q, p, 0.0), p]), g)[0] == 1  # never defer
 
 
+def test_deferral_rules_defer_where_they_must_and_not_elsewhere():
+    """Hand cases, α = 0.2. Rows: a confident drafter agreeing with a confident target; an unsure
+    drafter; a drafter less confident than the target by more than α; the same by less than α."""
+    q = torch.tensor([[0.90, 0.05, 0.05], [0.50, 0.30, 0.20], [0.60, 0.20, 0.20], [0.60, 0.20, 0.20]])
+    p = torch.tensor([[0.90, 0.05, 0.05], [0.50, 0.30, 0.20], [0.95, 0.03, 0.02], [0.70, 0.20, 0.10]])
+    # Chow: max q < 1 − α = 0.8
+    assert targets.chow(q, p, 0.2).tolist() == [0.0, 1.0, 1.0, 1.0]
+    # Diff: max q < max p − α: 0.9 < 0.7 no; 0.5 < 0.3 no; 0.6 < 0.75 yes; 0.6 < 0.5 no
+    assert targets.diff(q, p, 0.2).tolist() == [0.0, 0.0, 1.0, 0.0]
+    # OPT: max q < max p − α·TV(p, q); TV = 0, 0, 0.35, 0.1 → thresholds 0.9, 0.5, 0.88, 0.68
+    assert targets.total_variation(p, q).tolist() == pytest.approx([0.0, 0.0, 0.35, 0.1])
+    assert targets.opt(q, p, 0.2).tolist() == [0.0, 0.0, 1.0, 1.0]
+    # a rule's δ mixes: deferred rows are p, kept rows are q
+    pi = targets.mixture(q, p, targets.diff(q, p, 0.2))
+    assert torch.equal(pi[2], p[2]) and torch.equal(pi[[0, 1, 3]], q[[0, 1, 3]])
+
+
+def test_token_specific_target_matches_a_hand_computed_pi():
+    """Token-level Diff, α = 0.1: keep x where q(x) ≥ max p − α = 0.4; π(x) = q(x)·keep(x) + p(x)·Σ deferred q."""
+    q = torch.tensor([0.45, 0.35, 0.20])
+    p = torch.tensor([0.50, 0.10, 0.40])
+    keep = targets.token_keep(q, p, 0.1)
+    assert keep.tolist() == [1.0, 0.0, 0.0]
+    deferred = 0.35 + 0.20
+    expected = torch.tensor([0.45 + 0.50 * deferred, 0.10 * deferred, 0.40 * deferred])
+    assert torch.allclose(targets.token_specific(q, p, keep), expected)
+    assert torch.allclose(targets.token_specific(q, p, torch.ones(3)), q)  # keep all: the drafter's own law
+    assert torch.allclose(targets.token_specific(q, p, torch.zeros(3)), p)  # defer all: the target's
+
+
 def test_mixture_samples_follow_pi_and_token_specific_sums_to_one():
     g = torch.Generator().manual_seed(8)
     p, q = random_law(g), random_law(g)
@@ -144,7 +194,7 @@ def test_mixture_samples_follow_pi_and_token_specific_sums_to_one():
         x = sample(q, g).reshape(1)
         n, t = verify_chain(x, q[None], torch.stack([pi, pi]), g)
         counts[int(x) if n else t] += 1
-    assert chi2(counts, pi) < CHI2_DF5_P001
+    assert chi2_p_value(counts, pi) > ALPHA
     keep = targets.token_keep(q, p, 0.1)
     assert torch.allclose(targets.token_specific(q, p, keep).sum(-1), torch.tensor(1.0))
 

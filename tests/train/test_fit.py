@@ -208,3 +208,26 @@ def test_default_root_dir_moves_the_recipe_logger_unless_the_logger_is_given(tin
     both = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved"),
                           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")], run=False)
     assert both.trainer.logger.save_dir == str(tmp_path / "logs")
+
+
+def test_fit_without_a_logger_writes_nothing_into_the_working_directory(tiny_features, tmp_path):
+    """LightningCLI saves config.yaml into trainer.log_dir, the cwd when a recipe has no logger; draftsmith
+    saves it beside the checkpoints instead, and nowhere when the run keeps no files."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    path = recipe(tiny_features, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"].update(logger=False, max_steps=2, val_check_interval=2)
+    path.write_text(yaml.safe_dump(cfg))
+    kept = subprocess.run([sys.executable, "-m", "draftsmith.cli", "fit", "--config", str(path)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert list(cwd.iterdir()) == []
+    saved = yaml.safe_load((tmp_path / "run" / "ckpt" / "config.yaml").read_text())  # beside the checkpoints
+    assert saved["trainer"]["max_steps"] == 2
+    cfg["trainer"].update(callbacks=None, enable_checkpointing=False)
+    path.write_text(yaml.safe_dump(cfg))
+    bare = subprocess.run([sys.executable, "-m", "draftsmith.cli", "fit", "--config", str(path)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    assert list(cwd.iterdir()) == []

@@ -71,10 +71,10 @@ def test_factored_head_loss_equals_the_plain_definitions():
 
 @pytest.fixture(params=[None, 150, 50])  # default (one block a chunk); 3 rows of 50 (5 = 3 + 2); 1 row
 def cache_floats(request, monkeypatch):
-    from draftsmith.train import losses
+    from draftsmith.train import head_kernel
 
     if request.param is not None:
-        monkeypatch.setattr(losses, "CACHE_FLOATS", request.param)
+        monkeypatch.setattr(head_kernel, "CACHE_FLOATS", request.param)
     return request.param
 
 
@@ -106,7 +106,7 @@ def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats):
 
 
 def test_row_blocks_are_for_cpu_caches_only():
-    from draftsmith.train.losses import CACHE_FLOATS, cache_rows
+    from draftsmith.train.head_kernel import CACHE_FLOATS, cache_rows
 
     assert cache_rows(49152, torch.device("cpu")) == CACHE_FLOATS // 49152 == 16
     assert cache_rows(49152, torch.device("meta")) >= 10**9  # an accelerator: the whole chunk at once

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftsmith.train import losses
+from draftsmith.train import head_kernel as losses
 from draftsmith.train.metrics import DraftAcceptance
 
 # Step 0: three positions; the drafter's head gives q (logits log q), the target p.

@@ -1,0 +1,102 @@
+"""`draftsmith export`: a training checkpoint → draftsmith's native format or an engine's format.
+
+- native (`export/native.py`): what draftsmith's runtime loads (`models/loading.py`);
+- eagle (`export/eagle.py`): EAGLE-1/2/HASS drafters for vLLM, SGLang and the EAGLE reference code;
+- eagle3 (`export/eagle3.py`): EAGLE-3 drafters for vLLM and SGLang;
+- speculators (`export/speculators.py`): vLLM's native speculator config, EAGLE-3 drafters.
+
+Each writer checks its output against its consumer's contract (every expected tensor present
+with its shape, nothing unexpected, config fields complete); the export is then reloaded and its
+logits compared with the trained module's. docs/formats.md lists each layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint
+from draftsmith.export.eagle import write_eagle
+from draftsmith.export.eagle3 import write_eagle3
+from draftsmith.export.native import write_native
+from draftsmith.export.speculators import write_speculators
+from draftsmith.models.loading import drafter_from_tensors, load_native, read_export
+
+WRITERS = {"native": write_native, "eagle": write_eagle, "eagle3": write_eagle3, "speculators": write_speculators}
+FORMATS = tuple(WRITERS)
+
+
+def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> dict[str, Any]:
+    """Write `fmt` for the checkpoint into `out`, check it, reload it and compare logits."""
+    if fmt not in FORMATS:
+        raise DraftsmithError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    ckpt = load_checkpoint(ckpt_path)
+    kind = ckpt["draftsmith"]["kind"]
+    if kind == "standalone" and fmt != "native":
+        raise DraftsmithError("a standalone draft LM exports as `native` (an ordinary transformers model directory)")
+    if fmt in ("eagle3", "speculators") and kind != "eagle3":
+        raise DraftsmithError(f"--format {fmt} is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter: "
+                              "use --format eagle")
+    if fmt == "eagle" and kind != "eagle":
+        raise DraftsmithError("--format eagle is for EAGLE-1/2/HASS drafters; this is an EAGLE-3 drafter: "
+                              "use --format eagle3 (vLLM, SGLang) or speculators")
+    module = module_from_checkpoint(ckpt)
+    out_dir = Path(out)
+    written = WRITERS[fmt](module, ckpt, out_dir, speculative_tokens)
+    error = verify_roundtrip(module, fmt, out_dir)
+    return {"format": fmt, "kind": kind, "out": str(out_dir), "directories": written, "max_logit_error": error,
+            "checkpoint": ckpt["path"]}
+
+
+def engine_to_native(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Engine tensor names → draftsmith module names (the inverse of eagle_tensors / eagle3_tensors)."""
+    out = {}
+    for name, t in tensors.items():
+        if name == "fc.bias":
+            if t.abs().max() > 0:
+                raise DraftsmithError("fc.bias is not zero; draftsmith drafters have no fc bias")
+            continue
+        out["layer." + name[len("layers.0."):] if name.startswith("layers.0.") else name] = t
+    return out
+
+
+def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> float:
+    """Reload what was written and compare its logits with the trained module's; returns the max error."""
+    if hasattr(module, "student"):  # a standalone draft LM: an ordinary transformers directory
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        ids = torch.randint(0, reloaded.config.vocab_size, (1, 16))
+        with torch.no_grad():
+            a, b = module.student(input_ids=ids).logits, reloaded(input_ids=ids).logits
+        return _compare(a, b, atol, out)
+    from draftsmith.models.target import load_target
+
+    target = load_target(module.hparams.target, dtype="float32")
+    if fmt == "native":
+        drafter = load_native(out, target)
+    else:
+        _, tensors = read_export(out / "vllm" if fmt in ("eagle", "eagle3") else out)
+        drafter = drafter_from_tensors(module.hparams.kind, engine_to_native(tensors), target, module.aux_layer_ids)
+    reference = module.drafter.float().eval()
+    g = torch.Generator().manual_seed(0)
+    b, t = 2, 8
+    ids = torch.randint(0, target.vocab_size, (b, t), generator=g)
+    width = reference.fc.in_features - (reference.config.hidden_size if module.hparams.kind == "eagle" else 0)
+    feats = torch.randn(b, t, width, generator=g)
+    positions = torch.arange(t)[None].expand(b, t)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        a = reference.logits(reference(ids, reference.project(feats, feats), positions, causal))
+        c = drafter.logits(drafter(ids, drafter.project(feats, feats), positions, causal))
+    return _compare(a, c, atol, out)
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, atol: float, where: Path) -> float:
+    error = float((a.float() - b.float()).abs().max())
+    if error > atol:
+        raise DraftsmithError(f"{where}: reloaded drafter's logits differ from the trained module's by {error:.2e}")
+    return error

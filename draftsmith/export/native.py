@@ -1,0 +1,60 @@
+"""draftsmith's own format: what the runtime loads (`models.loading`).
+
+Feature drafters: config.json (kind, sizes, target identity, layer ids and their convention,
+draft vocabulary, provenance) + model.safetensors with the trained weights, the target's frozen
+embedding and head left out (they come back from the target). Standalone draft LMs: a
+transformers model directory + draftsmith.json (+ the training data's token counts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.export.common import sizes
+from draftsmith.models.loading import NATIVE_FORMAT, STANDALONE_FILE, TOKEN_COUNTS
+
+
+def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
+    kind = ckpt["draftsmith"]["kind"]
+    callbacks = ckpt.get("callbacks", {})
+    best = {k: float(v["best_model_score"]) for k, v in callbacks.items()
+            if isinstance(v, dict) and v.get("best_model_score") is not None}
+    config = {
+        "format": NATIVE_FORMAT, "kind": kind, "target": module.identity,
+        "layer_convention": "hf_output_hidden_states",  # id i = output_hidden_states[i]
+        "final_feature": "post-norm last hidden state",
+        "aux_layer_ids": getattr(module, "aux_layer_ids", []),
+        "provenance": {"checkpoint": ckpt["path"], "global_step": ckpt.get("global_step"),
+                       "epoch": ckpt.get("epoch"), "hyper_parameters": dict(ckpt["hyper_parameters"]),
+                       "best_scores": best},
+    }
+    if kind == "standalone":
+        config["model_config"] = module.student.config.to_dict() if hasattr(module.student, "config") else None
+    else:
+        config["sizes"] = sizes(module)
+        config["draft_vocab_size"] = module.drafter.vocab_size
+        config["layer_config"] = module.drafter.config.to_dict()
+    return config
+
+
+def write_native(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    from draftsmith.export.common import save
+
+    config = native_config(module, ckpt)
+    if config["kind"] == "standalone":
+        student = module.student.merge_and_unload() if hasattr(module.student, "merge_and_unload") else module.student
+        student.save_pretrained(out)
+        module.student = student
+        if getattr(module, "token_counts", None) is not None:  # for the runtime's frequency-ranked head
+            save_file({"token_counts": module.token_counts.long().contiguous()}, str(out / TOKEN_COUNTS))
+            config["token_counts"] = TOKEN_COUNTS
+        (out / STANDALONE_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return [str(out)]
+    frozen = ("embed_tokens.weight",) + (("lm_head.weight",) if config["kind"] == "eagle" else ())
+    tensors = {k: v.detach().contiguous() for k, v in module.drafter.state_dict().items() if k not in frozen}
+    save(out, tensors, config)
+    return [str(out)]
