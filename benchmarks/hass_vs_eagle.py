@@ -31,7 +31,7 @@ trains only that arm again.
                                        [--decode-prompts 20] [--tree 6,10,60] [--features DIR]
 
 Ends with `RESULT tau_<baseline>=... tau_<aligned>=... ratio=<aligned/baseline> ratio_long=...
-ratio_decode=...`; the issue's target is HASS / EAGLE >= 1.05. The README has the figures.
+ratio_decode=...`; the issue's target is HASS / EAGLE >= 1.05. docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations

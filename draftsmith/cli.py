@@ -1,9 +1,14 @@
-"""The `draftsmith` command map. Each subcommand is one typed function; its docstring is its help.
+"""The `draftsmith` command map. Each subcommand is one function taking its config dataclass: the
+dataclass's fields are the command's options (their help comes from its docstring), the function's
+docstring is the command's help. `draftsmith COMMAND --help` lists them.
 
     draftsmith data stats --data SOURCE [--target T] [--json]
     draftsmith regenerate --target T --data SOURCE --out CHATS.jsonl [--turns first|all] ...
     draftsmith extract --target T --data SOURCE --out DIR [--layer_ids [2,15,27]] ...
     draftsmith fit --config RECIPE.yaml [--trainer.max_steps N] [--data.features_dir DIR] [--ckpt_path last]
+    draftsmith export CKPT_OR_RUN_DIR --format native|eagle|eagle3|speculators --out DIR
+    draftsmith eval --target T --drafter DIR [--prompts mtbench|humaneval|heldout] ...
+    draftsmith run RECIPE.yaml [--prompts heldout] ...
 
 Options take `--max_length` or `--max-length` alike; a bare `--json` means `--json true`.
 """
@@ -15,244 +20,180 @@ import sys
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.data.conversations import DataStatsConfig
+from draftsmith.data.regenerate import RegenerateConfig
+from draftsmith.eval.evaluate import EvalConfig
+from draftsmith.export import ExportConfig
+from draftsmith.extract import ExtractConfig
+from draftsmith.pipeline import RunConfig
 
 BARE_FLAGS = ("--json", "--trust_remote_code")
 
 
-def data_stats(data: str, target: str | None = None, max_length: int = 2048, limit: int | None = None,
-               json: bool = False, trust_remote_code: bool = False) -> None:
+def data_stats(cfg: DataStatsConfig) -> None:
     """Report what a chat source yields: read, kept, skipped (reason → count), truncated.
 
     With a target, also tokenize every kept chat with the target's chat template and report
     token counts and the assistant loss mask (the mask audit fails on a degenerate mask).
-
-    Args:
-        data: `sharegpt` (embedded), a .json/.jsonl file, a `datasets` directory, .parquet/.csv, or hf:NAME[:SPLIT].
-        target: a target (embedded alias, .gguf, model directory or hub id) whose tokenizer to use.
-        max_length: token budget per chat; longer chats are truncated (counted).
-        limit: stop after this many kept conversations.
-        json: print exactly one JSON object on stdout instead of tables.
-        trust_remote_code: allow a hub tokenizer's own code to run.
     """
     from collections import Counter
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
 
-    convs, report = load_conversations(data, limit=limit)
+    convs, report = load_conversations(cfg.data, limit=cfg.limit)
     stats: dict[str, Any] = report.as_dict()
-    if target is not None:
+    if cfg.target is not None:
         from draftsmith.models.target import load_tokenizer
 
-        tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
         skipped, truncated, audit = Counter(), Counter(), MaskAudit()
-        tokenize_many(tokenizer, convs, max_length, skipped, truncated, audit)
+        tokenize_many(tokenizer, convs, cfg.max_length, skipped, truncated, audit)
         stats["tokenized"] = {
-            "target": target, "max_length": max_length,
+            "target": cfg.target, "max_length": cfg.max_length,
             "kept": len(convs) - sum(skipped.values()),
             "skipped": dict(sorted(skipped.items())), "truncated": dict(sorted(truncated.items())),
             **audit.summary(),
         }
-        audit.check(data)
-    if json:
-        print(_json_dumps(stats))
+        audit.check(cfg.data)
+    if cfg.json:
+        print(json.dumps(stats))
         return
     _print_stats(stats)
 
 
-def extract(target: str, data: str, out: str, layer_ids: list[int] | None = None, max_length: int = 2048,
-            limit: int | None = None, shard_size: int = 64, batch_tokens: int = 8192, dtype: str = "bfloat16",
-            feature_dtype: str = "bfloat16", device: str = "cpu", devices: int = 1, device_map: str | None = None,
-            adapter: str | None = None, trust_remote_code: bool = False) -> None:
+def extract(cfg: ExtractConfig) -> None:
     """Run the frozen target over the chats and write feature shards + manifest.json to OUT.
 
     Rerunning the same command resumes from the finished shards. Shards made from another
     target, tokenizer, layer set or data are refused.
-
-    Args:
-        target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
-        data: chat source, as for `draftsmith data stats`.
-        out: the feature directory.
-        layer_ids: extra hidden states to keep (id i = output_hidden_states[i]), e.g. [2,15,27] for EAGLE-3.
-        max_length: tokens per chat; longer chats are truncated (counted in the manifest).
-        limit: use only the first LIMIT kept conversations.
-        shard_size: conversations per shard (the unit of resumption).
-        batch_tokens: padded tokens per forward batch.
-        dtype: the target's compute dtype (bfloat16 is ~4x faster than float32 on recent CPUs).
-        feature_dtype: dtype of the stored features.
-        device: cpu, cuda, cuda:1, ...
-        devices: processes to extract with (each takes every N-th shard); torchrun works too.
-        device_map: accelerate placement for a target larger than one device (e.g. auto).
-        adapter: a peft LoRA adapter directory merged into the target on load.
-        trust_remote_code: allow a hub model's own code to run.
     """
     from rich.console import Console
 
-    from draftsmith.extract import ExtractConfig, extract as run_extract, summary_table
+    from draftsmith.extract import extract as run_extract, summary_table
 
-    cfg = ExtractConfig(target=target, data=data, out=out, layer_ids=list(layer_ids or []), max_length=max_length,
-                        limit=limit, shard_size=shard_size, batch_tokens=batch_tokens, dtype=dtype,
-                        feature_dtype=feature_dtype, device=device, devices=devices, device_map=device_map,
-                        adapter=adapter, trust_remote_code=trust_remote_code)
     manifest = run_extract(cfg)
     if manifest:
-        Console().print(summary_table(manifest, out))
+        Console().print(summary_table(manifest, cfg.out))
 
 
-def regenerate(target: str, data: str, out: str, limit: int | None = None, turns: str = "first",
-               max_new_tokens: int = 512, max_length: int = 2048, temperature: float = 0.0, top_p: float | None = None,
-               batch_size: int = 16, dtype: str = "bfloat16", device: str = "cpu", seed: int = 0,
-               trust_remote_code: bool = False) -> None:
+def regenerate(cfg: RegenerateConfig) -> None:
     """Let the target answer the chats' user turns itself and write the chats to OUT (.jsonl).
 
     Drafters are judged on the target's own text; features of that text (`draftsmith extract
     --data OUT`) teach them what they will see. Conversation ids are kept, so the train/validation
     split matches the source's. Rerunning the same command resumes after the chats written.
-
-    Args:
-        target: the target model, as for extract.
-        data: chat source whose user turns are answered, as for `draftsmith data stats`.
-        out: the .jsonl file to write (with OUT.meta.json: target and settings).
-        limit: use only the first LIMIT kept conversations.
-        turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
-        max_new_tokens: longest answer; longer ones are cut (counted).
-        max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
-        temperature: 0 for greedy answers (what greedy decoding will see); > 0 samples.
-        top_p: nucleus filtering when sampling.
-        batch_size: prompts generated together (grouped by length).
-        dtype: the target's compute dtype.
-        device: cpu, cuda, ...
-        seed: sampling seed.
-        trust_remote_code: allow a hub model's own code to run.
     """
     from rich.console import Console
 
-    from draftsmith.data.regenerate import RegenerateConfig, regenerate as run_regenerate
+    from draftsmith.data.regenerate import regenerate as run_regenerate
 
-    cfg = RegenerateConfig(target=target, data=data, out=out, limit=limit, turns=turns, max_new_tokens=max_new_tokens,
-                           max_length=max_length, temperature=temperature, top_p=top_p, batch_size=batch_size,
-                           dtype=dtype, device=device, seed=seed, trust_remote_code=trust_remote_code)
     summary = run_regenerate(cfg)
     Console().print(f"[bold]regenerated[/] {summary['conversations']} conversations "
-                    f"({summary['already_done']} already in {out}): {summary.get('answers', 0)} answers, "
+                    f"({summary['already_done']} already in {cfg.out}): {summary.get('answers', 0)} answers, "
                     f"{summary.get('answer_tokens', 0)} tokens at {summary['answer_tokens_per_second']} tok/s; "
                     f"cut at max_new_tokens {summary.get('answers_cut_at_max_new_tokens', 0)}, empty "
                     f"{summary.get('empty_answers', 0)}, no room {summary.get('turns_without_room', 0)}; "
-                    f"next: draftsmith extract --target {target} --data {out} --out DIR")
+                    f"next: draftsmith extract --target {cfg.target} --data {cfg.out} --out DIR")
 
 
-def export(checkpoint: str, format: str = "native", out: str = "export", speculative_tokens: int = 3) -> None:
+def export(cfg: ExportConfig) -> None:
     """Export a trained drafter: a .ckpt, a DeepSpeed ZeRO checkpoint directory, or a run directory
     (the checkpoint Lightning's ModelCheckpoint recorded as best; the newest one without a monitor).
 
     Each export is checked against its consumer's contract (tensor names and shapes, config
     fields), then reloaded and its logits compared with the trained module's.
-
-    Args:
-        checkpoint: the Lightning checkpoint or run directory.
-        format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
-        out: the output directory.
-        speculative_tokens: tokens per proposal written into the speculators config.
     """
     from rich.console import Console
 
     from draftsmith.export import export as run_export
 
-    result = run_export(checkpoint, format, out, speculative_tokens)
-    Console().print(f"[bold]exported[/] {result['kind']} drafter as {result['format']}: "
+    result = run_export(cfg.checkpoint, cfg.format, cfg.out, cfg.speculative_tokens)
+    Console(soft_wrap=True).print(f"[bold]exported[/] {result['kind']} drafter ({result['checkpoint']}) as {result['format']}: "
                     f"{', '.join(result['directories'])} (contract ok, reloaded logits within "
                     f"{result['max_logit_error']:.1e})")
 
 
-def evaluate_command(target: str, drafter: str | None = None, prompts: str = "mtbench", limit: int | None = None,
-         turns: str = "first", data: str = "sharegpt", max_new_tokens: int = 256, temperature: float = 0.0,
-         top_k: int | None = None, top_p: float | None = None, policy: str = "cost", k: int = 4,
-         threshold: float = 0.4, tree: str | None = None, lookup: int = 0, head_vocab: int = 8192,
-         dtype: str = "bfloat16", device: str = "cpu", repeats: int = 3, seed: int = 0, out: str = "runs/eval") -> None:
+def evaluate(cfg: EvalConfig) -> None:
     """Measure a drafter with its target: τ, mean accepted, α_j, speedup over autoregressive decoding.
 
     Writes OUT/results.json and PNG plots, and prints a table per category.
-
-    Args:
-        target: the target model.
-        drafter: a native export directory (`draftsmith export --format native`); omit for autoregressive only.
-        prompts: mtbench, humaneval, or heldout (the validation split of --data).
-        limit: number of prompts (spread over categories).
-        turns: first, or both (MT-bench's second turn after the target's own first answer).
-        data: the chat source for heldout prompts.
-        max_new_tokens: tokens generated per prompt.
-        temperature: 0 for greedy; otherwise sampling with top_k / top_p.
-        top_k: top-k filtering (applied to target and drafter alike).
-        top_p: nucleus filtering (applied to target and drafter alike).
-        policy: draft length: cost (draft a token only while it is expected to pay for its measured
-            cost), static, heuristic, confidence or oracle.
-        k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle).
-        threshold: the confidence policy's threshold.
-        tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
-            omit for chain drafts with --policy.
-        lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
-            tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
-        head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
-            head computed over those rows only (exports carry the counts); 0 = the full head.
-        dtype: target and drafter dtype (the same for both arms).
-        device: cpu or cuda.
-        repeats: timed repeats after a warm-up (median reported).
-        seed: sampling seed.
-        out: the results directory.
     """
-    from rich.console import Console
-
-    from draftsmith.eval.evaluate import EvalConfig, evaluate
-    from draftsmith.eval.report import plots, table, write_results
-
-    cfg = EvalConfig(target=target, drafter=drafter, prompts=prompts, limit=limit, turns=turns, data=data,
-                     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, policy=policy,
-                     k=k, threshold=threshold, tree=tree, lookup=lookup, head_vocab=head_vocab, dtype=dtype,
-                     device=device, repeats=repeats, seed=seed, out=out)
-    results = evaluate(cfg)
     from pathlib import Path
 
-    path = write_results(results, Path(out))
-    pngs = plots(results, Path(out))
+    from rich.console import Console
+
+    from draftsmith.eval.evaluate import evaluate as run_evaluate
+    from draftsmith.eval.report import plots, table, write_results
+
+    results = run_evaluate(cfg)
+    path = write_results(results, Path(cfg.out))
+    pngs = plots(results, Path(cfg.out))
     console = Console()
     console.print(table(results))
     console.print(f"results: {path}" + (f"\nplots: {', '.join(pngs)}" if pngs else ""))
 
 
-def run(recipe: str, prompts: str = "mtbench", limit: int | None = 10, max_new_tokens: int = 128,
-        temperature: float = 0.0, policy: str = "cost", k: int = 4, tree: str | None = None, lookup: int = 0,
-        dtype: str = "bfloat16", repeats: int = 3, out: str | None = None) -> None:
+def run(cfg: RunConfig) -> None:
     """Run a recipe end to end: extract → fit → export → eval; each finished stage is skipped on a rerun.
 
     Features are extracted when the recipe's feature directory has none (resuming a partial
     extraction); training resumes from the run's last.ckpt and is skipped once max_steps is
-    reached; the best checkpoint (by val/tau) is exported in the native format and evaluated.
-
-    Args:
-        recipe: the recipe YAML (as for `draftsmith fit --config`).
-        prompts: mtbench, humaneval or heldout.
-        limit: prompts to evaluate on (spread over categories).
-        max_new_tokens: tokens generated per prompt.
-        temperature: 0 for greedy decoding.
-        policy: draft-length policy: cost, static, heuristic, confidence or oracle.
-        k: draft length (or its maximum).
-        tree: EAGLE-2 tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32); omit for chain drafts.
-        lookup: with --tree, a prompt-lookup branch of up to this many tokens on every tree; 0 = off.
-        dtype: dtype of target and drafter during evaluation.
-        repeats: timed repeats after a warm-up.
-        out: where to write the export and the evaluation (default: the recipe's default_root_dir).
+    reached; the checkpoint Lightning recorded as best is exported in the native format and
+    evaluated; held-out prompts are the recipe's own validation split.
     """
     from rich.console import Console
 
     from draftsmith.pipeline import run_recipe
 
-    run_recipe(recipe, prompts=prompts, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
-               policy=policy, k=k, tree=tree, lookup=lookup, dtype=dtype, repeats=repeats, out=out, console=Console())
+    run_recipe(cfg, console=Console())
 
 
-COMMANDS = {"data": {"stats": data_stats}, "regenerate": regenerate, "extract": extract, "export": export,
-            "eval": evaluate_command, "run": run}
+COMMANDS: dict[str, Any] = {"data": {"stats": (DataStatsConfig, data_stats)}, "regenerate": (RegenerateConfig, regenerate),
+                            "extract": (ExtractConfig, extract), "export": (ExportConfig, export),
+                            "eval": (EvalConfig, evaluate), "run": (RunConfig, run)}
 LIGHTNING_COMMANDS = ("fit", "validate")
+
+
+def build_parser() -> Any:
+    """A jsonargparse parser with one subcommand per command; a command's options are its config's fields."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and measure them. "
+                            "`draftsmith fit --config RECIPE.yaml` trains (LightningCLI); the commands below do the rest.")
+    _add_commands(parser, COMMANDS, "draftsmith")
+    return parser
+
+
+def _add_commands(parser: Any, commands: dict[str, Any], prog: str) -> None:
+    from jsonargparse import ArgumentParser
+
+    subcommands = parser.add_subcommands(dest="command")
+    nested = []
+    for name, entry in commands.items():
+        if isinstance(entry, dict):  # a command group, e.g. `data stats`: its own commands are added after it
+            sub = ArgumentParser(prog=f"{prog} {name}")
+            nested.append((sub, entry, f"{prog} {name}"))
+            summary = f"{name} commands: {', '.join(entry)}"
+        else:
+            config, command = entry
+            sub = ArgumentParser(prog=f"{prog} {name}", description=command.__doc__)
+            sub.add_class_arguments(config, None, as_group=False)
+            summary = command.__doc__.split("\n")[0]
+        subcommands.add_subcommand(name, sub, help=summary)
+    for sub, entry, sub_prog in nested:
+        _add_commands(sub, entry, sub_prog)
+
+
+def dispatch(namespace: dict[str, Any], commands: dict[str, Any] = COMMANDS) -> None:
+    """Build the chosen command's config from its parsed options and call the command."""
+    name = namespace["command"]
+    options, entry = namespace[name], commands[name]
+    if isinstance(entry, dict):
+        dispatch(options, entry)
+        return
+    config, command = entry
+    command(config(**options))
 
 
 def _not_litlogger_tip(record: Any) -> bool:
@@ -289,6 +230,12 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.link_arguments("model.init_args.target", "data.init_args.target")
+            # what the data decides, handed to the model once both exist: whether the target runs inside the
+            # step (no stored features), and the training data's token counts (EAGLE-3's draft vocabulary,
+            # a standalone drafter's ranked head)
+            parser.link_arguments("data", "model.init_args.online", compute_fn=_data_online, apply_on="instantiate")
+            parser.link_arguments("data", "model.init_args.count_tokens", compute_fn=_data_token_counts,
+                                  apply_on="instantiate")
             # draftsmith's DataModules shard batches across ranks themselves (length-bucketed)
             parser.set_defaults({"trainer.use_distributed_sampler": False})
 
@@ -301,6 +248,14 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
     return DraftsmithCLI(args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
                          auto_configure_optimizers=False)
+
+
+def _data_online(data: Any) -> bool:
+    return bool(getattr(data, "online", False))
+
+
+def _data_token_counts(data: Any) -> Any:
+    return getattr(data, "token_counts", None)
 
 
 def _config_saver() -> type:
@@ -330,10 +285,6 @@ def _config_saver() -> type:
                              overwrite=self.overwrite, multifile=self.multifile)
 
     return SaveConfigBesideRun
-
-
-def _json_dumps(obj: Any) -> str:
-    return json.dumps(obj)
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
@@ -377,14 +328,12 @@ def normalize_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import CLI
-
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
             lightning_cli(argv)
             return
-        CLI(COMMANDS, args=argv, as_positional=False)
+        dispatch(build_parser().parse_args(argv).as_dict())
     except DraftsmithError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

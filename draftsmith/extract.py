@@ -23,6 +23,26 @@ FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass
 class ExtractConfig:
+    """Options of `draftsmith extract`.
+
+    Args:
+        target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
+        data: chat source, as for `draftsmith data stats`.
+        out: the feature directory.
+        layer_ids: extra hidden states to keep (id i = output_hidden_states[i]), e.g. [2,15,27] for EAGLE-3.
+        max_length: tokens per chat; longer chats are truncated (counted in the manifest).
+        limit: use only the first LIMIT kept conversations.
+        shard_size: conversations per shard (the unit of resumption).
+        batch_tokens: padded tokens per forward batch.
+        dtype: the target's compute dtype (bfloat16 is much faster than float32 on recent CPUs).
+        feature_dtype: dtype of the stored features.
+        device: cpu, cuda, cuda:1, ...
+        devices: processes to extract with (each takes every N-th shard); torchrun works too.
+        device_map: accelerate placement for a target larger than one device (e.g. auto).
+        adapter: a peft LoRA adapter directory merged into the target on load.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+
     target: str
     data: str
     out: str

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.eval.evaluate import DecodeOptions
+
+
+@dataclass(kw_only=True)
+class RunConfig(DecodeOptions):
+    """Options of `draftsmith run` (DecodeOptions' and these); the evaluation's target, chats and
+    validation split come from the recipe.
+
+    Args:
+        recipe: the recipe YAML (as for `draftsmith fit --config`).
+        out: where to write the run, the export and the evaluation (default: the recipe's default_root_dir).
+        limit: prompts to evaluate on (spread over categories).
+        max_new_tokens: tokens generated per prompt.
+    """
+
+    recipe: str
+    out: str | None = None
+    limit: int | None = 10
+    max_new_tokens: int = 128
 
 
 def _newest(root: Path, pattern: str) -> Path | None:
@@ -13,16 +33,17 @@ def _newest(root: Path, pattern: str) -> Path | None:
     return found[-1] if found else None
 
 
-def recipe_eval_config(raw: dict[str, Any], drafter: str, out: str, **options: Any) -> Any:
+def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, options: DecodeOptions) -> Any:
     """The eval config `run` uses: the recipe's target, and for held-out prompts exactly the recipe's
-    validation split (its chats, its data.limit, its data.val_fraction); `options` are run's own."""
+    validation split (its chats, its data.limit, its data.val_fraction); `options` decode as run was told."""
     from draftsmith.data.conversations import VAL_FRACTION
     from draftsmith.eval.evaluate import EvalConfig
 
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
+    decode = {f.name: getattr(options, f.name) for f in fields(DecodeOptions)}
     return EvalConfig(target=model["target"], drafter=drafter, data=data.get("data", "sharegpt"),
                       val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out,
-                      **options)
+                      **decode)
 
 
 def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
@@ -77,9 +98,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     console.print(summary_table(manifest, str(out)))
 
 
-def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int, temperature: float, policy: str,
-               k: int, dtype: str, repeats: int, out: str | None, console: Any, tree: str | None = None,
-               lookup: int = 0) -> dict[str, Any]:
+def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     import torch
     import yaml
 
@@ -89,9 +108,9 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
     from draftsmith.export import export
     from draftsmith.export.checkpoint import best_checkpoint
 
-    path = Path(recipe)
+    path, out = Path(cfg.recipe), cfg.out
     if not path.is_file():
-        raise DraftsmithError(f"recipe {recipe} not found")
+        raise DraftsmithError(f"recipe {cfg.recipe} not found")
     raw = yaml.safe_load(path.read_text())
     trainer = raw["trainer"]
     root = Path(out or trainer.get("default_root_dir") or f"runs/{path.stem}")
@@ -116,13 +135,11 @@ def run_recipe(recipe: str, prompts: str, limit: int | None, max_new_tokens: int
 
     # 4. evaluation
     console.rule("[bold]4/4 eval")
-    cfg = recipe_eval_config(raw, exported["out"], str(root / "eval"), prompts=prompts, limit=limit,
-                             max_new_tokens=max_new_tokens, temperature=temperature, policy=policy, k=k, tree=tree,
-                             lookup=lookup, dtype=dtype, repeats=repeats)
-    results = evaluate(cfg, console)
+    eval_cfg = recipe_eval_config(raw, exported["out"], str(root / "eval"), cfg)
+    results = evaluate(eval_cfg, console)
     results["checkpoint"] = str(best)
-    json_path = write_results(results, Path(cfg.out))
-    pngs = plots(results, Path(cfg.out))
+    json_path = write_results(results, Path(eval_cfg.out))
+    pngs = plots(results, Path(eval_cfg.out))
     console.print(table(results))
     acc, speed = results["acceptance"], results["speed"]
     console.print(f"[bold]τ = {acc['tau']:.2f}[/] (mean accepted {acc['mean_accepted']:.2f}), "

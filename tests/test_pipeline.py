@@ -17,6 +17,7 @@ def validation_ids(cfg: dict) -> list[str]:
 
 
 def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
+    from draftsmith.eval.evaluate import DecodeOptions
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.extract import ExtractConfig, extract
     from draftsmith.pipeline import recipe_eval_config
@@ -29,8 +30,8 @@ def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
     cfg["data"]["init_args"].update(data=str(root / "chats.json"), limit=50, val_fraction=0.3)
     extract(ExtractConfig(target=str(root / "target"), data=str(root / "chats.json"), out=str(root / "features"),
                           max_length=256, limit=50, dtype="float32", feature_dtype="float32"))
-    eval_cfg = recipe_eval_config(cfg, drafter=None, out=str(tmp_path / "eval"))
-    prompts = load_prompts("heldout", None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit)
+    eval_cfg = recipe_eval_config(cfg, None, str(tmp_path / "eval"), DecodeOptions(prompts="heldout"))
+    prompts = load_prompts(eval_cfg.prompts, None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit)
     expected = validation_ids(cfg)
     assert len(expected) >= 5 and [p["id"] for p in prompts] == expected
 

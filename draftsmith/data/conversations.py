@@ -67,6 +67,27 @@ class SourceReport:
         }
 
 
+@dataclass
+class DataStatsConfig:
+    """Options of `draftsmith data stats`.
+
+    Args:
+        data: `sharegpt` (embedded), a .json/.jsonl file, a `datasets` directory, .parquet/.csv, or hf:NAME[:SPLIT].
+        target: a target (embedded alias, .gguf, model directory or hub id) whose tokenizer to use.
+        max_length: token budget per chat; longer chats are truncated (counted).
+        limit: stop after this many kept conversations.
+        json: print exactly one JSON object on stdout instead of tables.
+        trust_remote_code: allow a hub tokenizer's own code to run.
+    """
+
+    data: str
+    target: str | None = None
+    max_length: int = 2048
+    limit: int | None = None
+    json: bool = False
+    trust_remote_code: bool = False
+
+
 VAL_FRACTION = 0.05  # the default share of conversations held out for validation (and `--prompts heldout`)
 
 

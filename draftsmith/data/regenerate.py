@@ -27,17 +27,37 @@ from draftsmith import DraftsmithError
 
 @dataclass
 class RegenerateConfig:
+    """Options of `draftsmith regenerate`.
+
+    Args:
+        target: the target model, as for extract.
+        data: chat source whose user turns are answered, as for `draftsmith data stats`.
+        out: the .jsonl file to write (with OUT.meta.json: target and settings).
+        limit: use only the first LIMIT kept conversations.
+        turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
+        max_new_tokens: longest answer; longer ones are cut (counted).
+        max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
+        temperature: 0 for greedy answers (what greedy decoding will see); > 0 samples.
+        top_p: nucleus filtering when sampling.
+        batch_size: prompts generated together (grouped by length).
+        chunk: conversations finished and appended to OUT together (the unit of resumption).
+        dtype: the target's compute dtype.
+        device: cpu, cuda, ...
+        seed: sampling seed.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+
     target: str
     data: str
-    out: str  # a .jsonl file
+    out: str
     limit: int | None = None
-    turns: str = "first"  # first: answer the first user turn; all: every user turn, after the target's own answers
+    turns: str = "first"
     max_new_tokens: int = 512
-    max_length: int = 2048  # prompt + answer tokens; a turn whose prompt leaves no room ends its conversation
+    max_length: int = 2048
     temperature: float = 0.0
     top_p: float | None = None
     batch_size: int = 16
-    chunk: int = 64  # conversations finished and appended together
+    chunk: int = 64
     dtype: str = "bfloat16"
     device: str = "cpu"
     seed: int = 0

@@ -1,4 +1,4 @@
-"""Acceptance and speed, measured the way METRICS.md defines them, by driving the runtime.
+"""Acceptance and speed, measured the way docs/metrics.md defines them, by driving the runtime.
 
 τ = tokens committed per target forward, averaged over rounds = accepted + 1 (the bonus or
 corrected token counted); "mean accepted" leaves that token out. α_j = rounds in which draft

@@ -10,16 +10,38 @@ from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
 
 
-@dataclass
-class EvalConfig:
-    target: str
-    drafter: str | None = None  # a native export directory; None: autoregressive only
+@dataclass(kw_only=True)
+class DecodeOptions:
+    """How a drafter is evaluated: shared by `draftsmith eval` and `draftsmith run`.
+
+    Args:
+        prompts: mtbench, humaneval, or heldout (the validation split of the training chats).
+        limit: number of prompts (spread over categories).
+        turns: first, or both (MT-bench's second turn after the target's own first answer).
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 for greedy; otherwise sampling with top_k / top_p.
+        top_k: top-k filtering (applied to target and drafter alike).
+        top_p: nucleus filtering (applied to target and drafter alike).
+        policy: draft length: cost (draft a token only while it is expected to pay for its measured
+            cost), static, heuristic, confidence or oracle (a greedy bound: drafts until the first
+            token that differs from the target's own greedy text).
+        k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle).
+        threshold: the confidence policy's threshold.
+        tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
+            omit for chain drafts with --policy.
+        lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
+            tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
+        head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
+            head computed over those rows only (exports carry the counts); 0 = the full head.
+        dtype: target and drafter dtype (the same for both arms).
+        device: cpu or cuda.
+        repeats: timed repeats after a warm-up (median reported).
+        seed: sampling seed.
+    """
+
     prompts: str = "mtbench"
     limit: int | None = None
     turns: str = "first"
-    data: str = "sharegpt"  # the chats whose validation split `heldout` prompts come from
-    val_fraction: float = VAL_FRACTION  # as the training recipe's data.val_fraction
-    data_limit: int | None = None  # as the training recipe's data.limit: the conversations it split
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int | None = None
@@ -27,14 +49,13 @@ class EvalConfig:
     policy: str = "cost"
     k: int = 4
     threshold: float = 0.4
-    tree: str | None = None  # DEPTH,TOPK,TOKENS: EAGLE-2 tree drafting instead of chains
-    lookup: int = 0  # with a tree: a prompt-lookup branch of up to this many tokens grafted on it
-    head_vocab: int = 8192  # a standalone drafter's head over its most frequent training tokens; 0 = full
+    tree: str | None = None
+    lookup: int = 0
+    head_vocab: int = 8192
     dtype: str = "bfloat16"
     device: str = "cpu"
     repeats: int = 3
     seed: int = 0
-    out: str = "runs/eval"
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -63,6 +84,27 @@ class EvalConfig:
         except ValueError:
             raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {self.tree!r}") from None
         return TreeShape(depth, topk, total, self.lookup)
+
+
+@dataclass(kw_only=True)
+class EvalConfig(DecodeOptions):
+    """Options of `draftsmith eval` (DecodeOptions' and these).
+
+    Args:
+        target: the target model.
+        drafter: a native export directory (`draftsmith export --format native`); omit for autoregressive only.
+        data: the chats whose validation split `--prompts heldout` evaluates on.
+        val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
+        data_limit: the number of conversations the training split was drawn from (as the recipe's data.limit).
+        out: the results directory.
+    """
+
+    target: str
+    drafter: str | None = None
+    data: str = "sharegpt"
+    val_fraction: float = VAL_FRACTION
+    data_limit: int | None = None
+    out: str = "runs/eval"
 
 
 def policy_factory(cfg: EvalConfig, references: dict[tuple[int, ...], list[int]] | None = None

@@ -12,6 +12,7 @@ logits compared with the trained module's. docs/formats.md lists each layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,29 @@ from draftsmith.models.loading import drafter_from_tensors, load_native, read_ex
 
 WRITERS = {"native": write_native, "eagle": write_eagle, "eagle3": write_eagle3, "speculators": write_speculators}
 FORMATS = tuple(WRITERS)
+
+
+@dataclass
+class ExportConfig:
+    """Options of `draftsmith export`.
+
+    Args:
+        checkpoint: a Lightning checkpoint, a DeepSpeed ZeRO checkpoint directory, or a run directory (its best checkpoint).
+        format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
+        out: the output directory.
+        speculative_tokens: tokens per proposal written into the speculators config.
+    """
+
+    checkpoint: str
+    format: str = "native"
+    out: str = "export"
+    speculative_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise DraftsmithError(f"unknown format {self.format!r}; choose one of {FORMATS}")
+        if self.speculative_tokens < 1:
+            raise DraftsmithError(f"--speculative_tokens must be >= 1, got {self.speculative_tokens}")
 
 
 def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The frozen target model: loading it from anywhere and reading its hidden states.
 
-Layer-id convention (DESIGN.md): id i is `output_hidden_states[i]` of the HF model, the
+Layer-id convention (docs/formats.md): id i is `output_hidden_states[i]` of the HF model, the
 residual stream after i decoder layers; 0 is the embeddings. HF returns the post-norm
 state at id N (= num_layers), which is also `final`, the EAGLE-1/2/HASS feature.
 

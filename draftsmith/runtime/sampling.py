@@ -61,7 +61,7 @@ def distributions(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tens
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dim, (...,) long; taken in float32, which is exact for bf16/fp16
-    logits and faster than their CPU argmax (3.8 vs 2.3 ms for 33 x 49k bf16 rows here)."""
+    logits and, on a CPU, faster than their own argmax."""
     return logits.float().argmax(-1)
 
 

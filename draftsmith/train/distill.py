@@ -9,13 +9,15 @@ Notation: B batch, T sequence, V vocab.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear
+from draftsmith.train import frozen
+from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
@@ -37,15 +39,22 @@ class DistillModule(pl.LightningModule):
         warmup_steps: linear warm-up steps, then cosine decay to min_lr_ratio * lr.
         min_lr_ratio: final learning rate as a fraction of lr.
         target_dtype: dtype the target is loaded in.
+        online: the data holds no features: run the frozen target inside each step (the CLI links it
+            from the DataModule's `online`).
+        count_tokens: vocabulary size → the training data's assistant-token counts, kept with the
+            checkpoint and the export for the runtime's frequency-ranked head (the CLI links it from the
+            DataModule's `token_counts`).
     """
 
     def __init__(self, target: str, num_layers: int = 4, shape: dict[str, int] | None = None,
                  layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None,
                  chain_length: int = 4,
                  lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 target_dtype: str = "float32"):
+                 target_dtype: str = "float32", online: bool = False,
+                 count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
+        self.online, self.count_tokens = online, count_tokens
         self.student = None
         self.val_metric = DraftAcceptance(1)
         self._target = None
@@ -55,16 +64,13 @@ class DistillModule(pl.LightningModule):
         if self.student is not None:
             return
         from draftsmith.models.standalone import add_lora, build_standalone
-        from draftsmith.models.target import load_target
 
-        target = load_target(self.hparams.target, dtype=self.hparams.target_dtype)
-        self.identity = target.identity.as_dict()
+        target, self.identity = load_frozen_target(self.hparams.target, self.hparams.target_dtype)
         self.aux_layer_ids: list[int] = []
         self.target_head = frozen_linear(target.lm_head.weight.detach())
         student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape, self.hparams.layer_ids)
         self.student = add_lora(student, self.hparams.lora_rank) if self.hparams.lora_rank else student
-        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
-        if dm is not None and getattr(dm, "online", False):
+        if self.online:
             self._target = target
 
     def setup(self, stage: str) -> None:
@@ -72,20 +78,26 @@ class DistillModule(pl.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "check_compatible"):
             dm.check_compatible(self.identity, [])
-        if stage == "fit" and self.token_counts is None and hasattr(dm, "token_counts"):
+        if stage == "fit" and self.token_counts is None and self.count_tokens is not None:
             # kept with the checkpoint and the export: the runtime's frequency-ranked head reads them
-            self.token_counts = dm.token_counts(self.target_head.weight.shape[0])
+            self.token_counts = self.count_tokens(self.target_head.weight.shape[0])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"].pop("target_head.weight", None)
+        frozen.strip(checkpoint["state_dict"], self._frozen_key)
         checkpoint["draftsmith"] = {"target_identity": self.identity, "kind": "standalone"}
         if self.token_counts is not None:
             checkpoint["draftsmith"]["token_counts"] = self.token_counts
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
+        frozen.check_identity(checkpoint.get("draftsmith", {}).get("target_identity"), self.identity)
         self.token_counts = checkpoint.get("draftsmith", {}).get("token_counts")
-        checkpoint["state_dict"]["target_head.weight"] = self.target_head.weight
+        frozen.restore(checkpoint["state_dict"], self.state_dict(), self._frozen_key)
+
+    @staticmethod
+    def _frozen_key(key: str) -> bool:
+        """The target's head (the student's own weights are all trained)."""
+        return key == "target_head.weight"
 
     def _target_logits(self, batch: dict[str, Any], sel: torch.Tensor) -> torch.Tensor:
         """The target's logits (N, V) at the N selected positions of sel (B, T)."""

@@ -15,7 +15,7 @@ Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
+from draftsmith.train import frozen
+from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (feature_regression, head_distillation, loss_tokens, step_weights, target_mix,
                                      uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
@@ -82,6 +84,10 @@ class DrafterModule(pl.LightningModule):
         min_lr_ratio: final learning rate as a fraction of lr.
         metric_top_k: K for the validation top-K agreement.
         target_dtype: dtype the target is loaded in (online features and the frozen parts).
+        online: the data holds no features: run the frozen target inside each step (the CLI links it
+            from the DataModule's `online`).
+        count_tokens: vocabulary size → the training data's assistant-token counts, for EAGLE-3's draft
+            vocabulary (the CLI links it from the DataModule's `token_counts`).
     """
 
     def __init__(self, target: str, kind: Literal["eagle", "eagle3"] = "eagle", aux_layer_ids: list[int] | None = None,
@@ -90,13 +96,15 @@ class DrafterModule(pl.LightningModule):
                  topk_weight: float = 0.0, topk: int = 10,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 metric_top_k: int = 5, target_dtype: str = "float32"):
+                 metric_top_k: int = 5, target_dtype: str = "float32", online: bool = False,
+                 count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         if alignment_steps < 1:
             raise DraftsmithError(f"alignment_steps must be >= 1, got {alignment_steps}")
         if kind == "eagle3" and feature_weight and topk_weight == 0 and ce_weight == 0:
             raise DraftsmithError("EAGLE-3 has no feature regression: set ce_weight or topk_weight > 0")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
+        self.online, self.count_tokens = online, count_tokens
         self.drafter: torch.nn.Module | None = None
         self.val_metric = DraftAcceptance(alignment_steps, metric_top_k)
         self._target = None  # the frozen target, kept out of the module tree (never in an optimizer)
@@ -105,10 +113,7 @@ class DrafterModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.drafter is not None:
             return
-        from draftsmith.models.target import load_target
-
-        target = load_target(self.hparams.target, dtype=self.hparams.target_dtype)
-        self.identity = target.identity.as_dict()
+        target, self.identity = load_frozen_target(self.hparams.target, self.hparams.target_dtype)
         head = target.lm_head.weight.detach()
         embed = target.embed_tokens.weight.detach()
         if self.hparams.kind == "eagle":
@@ -126,13 +131,9 @@ class DrafterModule(pl.LightningModule):
             self.drafter = Eagle3Drafter(target.config, embed, head, norm.weight if norm is not None else None,
                                          draft_ids, len(self.aux_layer_ids), target.hidden_size)
             self.target_head = frozen_linear(head)
-        if self._online():
+        if self.online:
             self._target = target
         self.drafter.to(self.device)
-
-    def _online(self) -> bool:
-        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
-        return dm is not None and getattr(dm, "online", False)
 
     def _draft_ids(self, target: Any) -> torch.Tensor:
         """EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data."""
@@ -143,12 +144,12 @@ class DrafterModule(pl.LightningModule):
         vd = self.hparams.draft_vocab_size or target.vocab_size
         if vd >= target.vocab_size:
             return torch.arange(target.vocab_size)
-        dm = getattr(getattr(self, "_trainer", None), "datamodule", None)
-        if dm is None or not hasattr(dm, "token_counts"):
+        if self.count_tokens is None:
             raise DraftsmithError("a pruned draft vocabulary needs the training data's token counts; "
-                                  "train with a draftsmith DataModule (or set draft_vocab_size: null)")
+                                  "train through `draftsmith fit` with a draftsmith DataModule (or set "
+                                  "draft_vocab_size: null)")
         specials = [i for i in (target.tokenizer.eos_token_id, target.tokenizer.pad_token_id) if i is not None]
-        return draft_vocab(dm.token_counts(target.vocab_size), vd, always=specials)
+        return draft_vocab(self.count_tokens(target.vocab_size), vd, always=specials)
 
     def setup(self, stage: str) -> None:
         self.configure_model()
@@ -158,24 +159,14 @@ class DrafterModule(pl.LightningModule):
 
     # --- checkpoints leave the frozen target parts out; they come back from the target ---------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if self._frozen_key(k)]:
-            del state[key]
+        frozen.strip(checkpoint["state_dict"], self._frozen_key)
         checkpoint["draftsmith"] = {"target_identity": self.identity, "aux_layer_ids": self.aux_layer_ids,
                                     "kind": self.hparams.kind}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()
-        saved = checkpoint.get("draftsmith", {}).get("target_identity")
-        if saved is not None:
-            diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in self.identity.items()
-                     if k not in ("name", "adapter") and saved.get(k) != v]
-            if diffs:
-                raise DraftsmithError(f"checkpoint was trained for another target ({'; '.join(diffs)}); "
-                                      "use the target it was trained for")
-        for key, value in self.state_dict().items():
-            if key not in checkpoint["state_dict"] and self._frozen_key(key):
-                checkpoint["state_dict"][key] = value
+        frozen.check_identity(checkpoint.get("draftsmith", {}).get("target_identity"), self.identity)
+        frozen.restore(checkpoint["state_dict"], self.state_dict(), self._frozen_key)
 
     def _frozen_key(self, key: str) -> bool:
         """Target parts: the embedding, the full-vocabulary head, and an EAGLE drafter's (shared) head."""

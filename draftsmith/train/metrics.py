@@ -1,4 +1,4 @@
-"""Validation metrics for drafters (METRICS.md, "Simulated acceptance during training").
+"""Validation metrics for drafters (docs/metrics.md, "Simulated acceptance during training").
 
 Per alignment step j: top-1 agreement acc_j of the drafter's argmax with the target's,
 top-K agreement (the target's argmax among the drafter's top K), and the expected

@@ -1,8 +1,12 @@
-"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor."""
+"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor.
+
+The schedule is transformers' `get_cosine_with_min_lr_schedule_with_warmup`: the learning rate rises
+linearly from 0 over `warmup_steps`, then follows half a cosine down to `min_lr_ratio · lr` at the
+last step.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -12,14 +16,9 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
                         min_lr_ratio: float, weight_decay: float = 0.0,
                         betas: tuple[float, float] = (0.9, 0.999)) -> dict[str, Any]:
     """What `configure_optimizers` returns; the schedule steps every optimizer step."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-    total = max(1, int(total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup_steps, max(1, int(total_steps)),
+                                                            min_lr_rate=min_lr_ratio)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

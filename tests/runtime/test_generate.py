@@ -1,4 +1,4 @@
-"""METRICS.md proofs 1, 3, 5, 6 and 8 for the decoding loop, on tiny random models in fp32."""
+"""docs/metrics.md proofs 1, 3, 5, 6 and 8 for the decoding loop, on tiny random models in fp32."""
 
 import itertools
 import warnings

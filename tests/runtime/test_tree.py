@@ -1,4 +1,4 @@
-"""METRICS.md proof 7 (trees) and proofs 1, 3, 6 for tree drafts, on tiny random fp32 models."""
+"""docs/metrics.md proof 7 (trees) and proofs 1, 3, 6 for tree drafts, on tiny random fp32 models."""
 
 import os
 from collections import Counter

@@ -1,4 +1,4 @@
-"""METRICS.md proofs 2, 4, 5 and 9 for the verification routine, on a 6-token vocabulary."""
+"""docs/metrics.md proofs 2, 4, 5 and 9 for the verification routine, on a 6-token vocabulary."""
 
 import pytest
 import torch

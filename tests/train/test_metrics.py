@@ -1,4 +1,4 @@
-"""Validation metrics against hand-computed values (METRICS.md, "Simulated acceptance during training")."""
+"""Validation metrics against hand-computed values (docs/metrics.md, "Simulated acceptance during training")."""
 
 import pytest
 import torch

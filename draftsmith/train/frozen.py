@@ -1,0 +1,47 @@
+"""The frozen target inside a training module: loaded once, never optimized, never saved.
+
+Both training modules (feature drafters, standalone distillation) hold parts of the target
+(embedding, head) as frozen weights. Checkpoints leave them out (`strip`) and get them back from
+the target on load (`restore`), after checking that the target is the one the checkpoint was
+trained for (`check_identity`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from draftsmith import DraftsmithError
+
+
+def load_frozen_target(name: str, dtype: str) -> tuple[Any, dict[str, Any]]:
+    """(target, identity as a dict) for the module's `target` and `target_dtype` settings."""
+    from draftsmith.models.target import load_target
+
+    target = load_target(name, dtype=dtype)
+    return target, target.identity.as_dict()
+
+
+def check_identity(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Refuse a checkpoint trained for another target (its name and adapter path may differ)."""
+    if saved is None:
+        return
+    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in current.items()
+             if k not in ("name", "adapter") and saved.get(k) != v]
+    if diffs:
+        raise DraftsmithError(f"checkpoint was trained for another target ({'; '.join(diffs)}); "
+                              "use the target it was trained for")
+
+
+def strip(state: dict[str, torch.Tensor], frozen: Callable[[str], bool]) -> None:
+    """Drop the frozen target parts from a checkpoint's state dict (in place)."""
+    for key in [k for k in state if frozen(k)]:
+        del state[key]
+
+
+def restore(state: dict[str, torch.Tensor], module_state: dict[str, torch.Tensor], frozen: Callable[[str], bool]) -> None:
+    """Put the module's frozen target parts back into a checkpoint's state dict (in place) before loading it."""
+    for key, value in module_state.items():
+        if key not in state and frozen(key):
+            state[key] = value
