@@ -1,13 +1,24 @@
 """Target distributions π = T(q, p) for generalized verification (runtime/verify.py).
 
-- exact: π = p, lossless speculative decoding;
-- mixture: π = (1 − δ)·q + δ·p with a deferral weight δ per position: speculative cascades
-  (Narasimhan et al. 2024, arXiv:2405.19261) with the rules below, or lossy decoding with a
-  constant δ. Its rejection rate is δ·TV(p, q), so δ = 1 is exact decoding and δ = 0 returns
-  the drafter's own samples;
-- token_specific: π(x) = q(x)·keep(x) + p(x)·Σ_{y not kept} q(y), the token-level cascade.
+Verifying a draft x ~ q against π (accept with min(1, π(x)/q(x)), else draw from
+norm(max(0, π − q))) makes the committed token follow π exactly; π = p is lossless decoding.
 
-Deferral rules read the raw (unscaled) distributions; the mixture uses the scaled ones.
+- **exact**: π = p.
+- **lossy** speculative decoding (Leviathan et al. 2023, appendix; Tran-Thien 2023): accept x with
+  min(1, p(x)/((1−α)·q(x))), on rejection draw from norm(max(0, p/β − q)). Its output law, for any
+  β ≥ 1 − α, is π = min(q, p/(1−α)) + R·norm(max(0, p/β − q)) with R = 1 − Σ min(q, p/(1−α)) the
+  rejection mass; for the β that makes the residual mass equal R (`tuned_beta`) this is the
+  speculative-cascades paper's Lemma 2, π = max{min{q, p/(1−α)}, p/β}. α = 0 gives p; once
+  p/(1−α) ≥ q everywhere, q.
+- **mixture**: π = (1 − δ)·q + δ·p with a deferral weight δ per position: speculative cascades
+  (Narasimhan et al. 2024, arXiv:2405.19261) with the Chow, Diff and OPT rules below. Its
+  rejection rate is δ·TV(p, q): δ = 1 is exact decoding, δ = 0 returns the drafter's own samples.
+- **token-specific** cascades: a deferral indicator r(v) per token (V1, V2, V3 below), π(v) =
+  q(v)·(1 − r(v)) + p(v)·Σ_v' r(v')·q(v'). V3 at temperature 0 is Leviathan's greedy lossy variant
+  (accept the drafted v when p(v) ≥ (1−α)·max p; the paper's Lemma 7).
+
+Deferral rules read the raw (temperature 1, untruncated) distributions; π mixes the scaled ones,
+so the rules trade quality for speed even at temperature 0 (the paper's appendix C.1).
 Notation: (..., V) distributions; δ (...,).
 """
 
@@ -20,15 +31,47 @@ def exact(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+# --- lossy speculative decoding -------------------------------------------------------------------------
+def lossy(q: torch.Tensor, p: torch.Tensor, alpha: float, beta: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The output law of lossy speculative decoding with leniency α and residual scale β (≥ 1 − α)."""
+    if not 0 <= alpha < 1:
+        raise ValueError(f"lossy decoding needs 0 <= alpha < 1, got {alpha}")
+    beta = torch.as_tensor(beta, dtype=p.dtype, device=p.device)
+    if beta.dim():
+        beta = beta[..., None]
+    kept = torch.minimum(q, p / (1 - alpha))  # what acceptance lets through
+    rejected = (1 - kept.sum(-1, keepdim=True)).clamp(min=0)
+    residual = (p / beta - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # no residual mass: p/β ≤ q everywhere, so acceptance lets everything through (up to rounding)
+    spread = torch.where(mass > 1e-12, residual / mass.clamp(min=1e-12), kept / kept.sum(-1, keepdim=True))
+    return kept + rejected * spread
+
+
+def tuned_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, iterations: int = 80) -> torch.Tensor:
+    """The β ≥ 1 − α with Σ max(0, p/β − q) = 1 − Σ min(q, p/(1−α)) (...,), by geometric bisection:
+    then lossy(q, p, α, β) = max{min{q, p/(1−α)}, p/β} (Lemma 2). At β = 1 − α the residual mass is at
+    least the rejection mass and it falls to 0 as β grows, so the root lies above 1 − α (and may exceed 1)."""
+    target = 1 - torch.minimum(q, p / (1 - alpha)).sum(-1)
+    low = torch.full(target.shape, 1 - alpha, dtype=p.dtype, device=p.device)
+    high = (p / q.clamp(min=1e-12)).max(-1).values.clamp(min=1.0) * 2  # no residual mass left up here
+    for _ in range(iterations):
+        mid = (low * high).sqrt()
+        too_much = (p / mid[..., None] - q).clamp(min=0).sum(-1) > target
+        low, high = torch.where(too_much, mid, low), torch.where(too_much, high, mid)
+    return (low * high).sqrt()
+
+
+# --- speculative cascades: deferral weights δ for a mixture ------------------------------------------------
 def mixture(q: torch.Tensor, p: torch.Tensor, defer: torch.Tensor | float) -> torch.Tensor:
     defer = torch.as_tensor(defer, dtype=q.dtype, device=q.device)
     if defer.dim():
         defer = defer[..., None]
     return (1 - defer) * q + defer * p
-
-
-def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (p - q).abs().sum(-1)
 
 
 def chow(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -46,11 +89,25 @@ def opt(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
     return (q_raw.max(-1).values < p_raw.max(-1).values - alpha * total_variation(p_raw, q_raw)).float()
 
 
+# --- token-specific cascades: a deferral indicator per token -----------------------------------------------
+def token_defer(rule: str, q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
+    """r(v) in {0, 1} (..., V): V1 q(v) < max p − α; V2 p(v) < max p − α; V3 p(v) < (1 − α)·max p."""
+    top = p_raw.max(-1, keepdim=True).values
+    if rule == "v1":
+        return (q_raw < top - alpha).float()
+    if rule == "v2":
+        return (p_raw < top - alpha).float()
+    if rule == "v3":
+        return (p_raw < (1 - alpha) * top).float()
+    raise ValueError(f"unknown token-specific rule {rule!r}; choose v1, v2 or v3")
+
+
 def token_keep(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Token-level Diff rule: keep the drafter's x when q(x) >= max p − α, (..., V) in {0, 1}."""
-    return (q_raw >= p_raw.max(-1, keepdim=True).values - alpha).float()
+    """V1's complement: keep the drafter's v when q(v) ≥ max p − α, (..., V) in {0, 1}."""
+    return 1 - token_defer("v1", q_raw, p_raw, alpha)
 
 
 def token_specific(q: torch.Tensor, p: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """π(v) = q(v)·keep(v) + p(v)·Σ_{v' deferred} q(v')."""
     deferred_mass = (q * (1 - keep)).sum(-1, keepdim=True)
     return q * keep + p * deferred_mass
