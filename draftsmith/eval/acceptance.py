@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from draftsmith.runtime.generate import GenerationResult, TargetRunner, generate
+from draftsmith.runtime.generate import GenerationResult, TargetRule, TargetRunner, generate
 from draftsmith.runtime.policies import Policy
 from draftsmith.runtime.proposers import NoProposer, Proposer
 from draftsmith.runtime.sampling import SamplingConfig
@@ -51,12 +51,13 @@ def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
 
 def decode_all(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], max_new_tokens: int,
                make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...],
-               seed: int, on_prompt: Callable[[], None] | None = None, tree: Any = None) -> list[GenerationResult]:
+               seed: int, on_prompt: Callable[[], None] | None = None, tree: Any = None,
+               rule: TargetRule | None = None) -> list[GenerationResult]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for ids in prompts:
-        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(ids), sampling, eos_token_ids=eos,
-                            generator=g, tree=tree))
+        out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(ids), sampling, rule=rule,
+                            eos_token_ids=eos, generator=g, tree=tree))
         if on_prompt:
             on_prompt()
     return out
@@ -77,19 +78,23 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
 
 def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
             make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
-            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None) -> dict[str, Any]:
-    """Both arms over the same prompts, alternating, `repeats` times after a warm-up."""
+            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None,
+            rule: TargetRule | None = None) -> dict[str, Any]:
+    """Both arms over the same prompts, alternating, `repeats` times after a warm-up; `rule` (a lossy or
+    cascade target) applies to the drafting arm only: the other is the target alone."""
     baseline = NoProposer(runner.head.weight.shape[0])
     arms = {"autoregressive": baseline, "method": proposer}
     trees = {"autoregressive": None, "method": tree}  # the baseline drafts nothing
+    rules = {"autoregressive": None, "method": rule}
     for name, arm in arms.items():  # warm-up: first calls allocate and compile
-        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=trees[name])
+        decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=trees[name],
+                   rule=rules[name])
     runs: dict[str, list[list[GenerationResult]]] = {"autoregressive": [], "method": []}
     for r in range(repeats):
         for name, arm in arms.items():
             tick = progress(f"{name} {r + 1}/{repeats}") if progress else None
             runs[name].append(decode_all(runner, arm, prompts, max_new_tokens, make_policy, sampling, eos, seed + r, tick,
-                                         tree=trees[name]))
+                                         tree=trees[name], rule=rules[name]))
     speed = {}
     for name, reps in runs.items():
         rates = [sum(len(x.tokens) for x in rep) / sum(x.seconds for x in rep) for rep in reps]

@@ -37,6 +37,11 @@ class DecodeOptions:
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
         seed: sampling seed.
+        mode: exact (lossless), lossy (lossy speculative decoding), cascade (speculative cascades: the
+            draft's law mixed with the target's where a rule defers) or token (token-specific cascades);
+            every mode but exact trades quality for speed and runs on chain drafts.
+        rule: lossy: beta1 or tuned (the residual scale); cascade: chow, diff or opt; token: v1, v2 or v3.
+        alpha: the mode's leniency: larger alpha accepts more of the drafter's tokens.
     """
 
     prompts: str = "mtbench"
@@ -56,6 +61,9 @@ class DecodeOptions:
     device: str = "cpu"
     repeats: int = 3
     seed: int = 0
+    mode: str = "exact"
+    rule: str | None = None
+    alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -71,7 +79,21 @@ class DecodeOptions:
                                   "from the target's greedy text): use --temperature 0")
         if self.lookup and self.tree is None:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
+        if self.mode != "exact" and self.tree is not None:
+            raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
+        if not 0 <= self.alpha < 1:
+            raise DraftsmithError(f"--alpha must be in [0, 1), got {self.alpha}")
+        self.target_rule()
         self.tree_shape()
+
+    def target_rule(self) -> Any:
+        """The runtime's target rule for --mode/--rule/--alpha (None: exact decoding)."""
+        from draftsmith.runtime.targets import target_rule
+
+        try:
+            return target_rule(self.mode, self.rule, self.alpha, greedy=self.temperature == 0)
+        except ValueError as e:
+            raise DraftsmithError(str(e)) from None
 
     def tree_shape(self) -> Any:
         """The TreeShape --tree asks for, or None for chain drafts."""
@@ -173,7 +195,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
             return lambda: progress.advance(task)
 
         results = measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
-                          cfg.repeats, cfg.seed, tick_factory, tree=cfg.tree_shape())
+                          cfg.repeats, cfg.seed, tick_factory, tree=cfg.tree_shape(), rule=cfg.target_rule())
     for sample in results["samples"]:
         sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),

@@ -35,6 +35,10 @@ def table(results: dict[str, Any]) -> Any:
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")
     if acc.get("draft_vocab_coverage") is not None:
         t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
+    config = results["config"]
+    if config.get("mode", "exact") != "exact":  # not lossless: the output is not the target's own
+        t.caption += (f"  LOSSY: --mode {config['mode']} --rule {config.get('rule') or 'default'} "
+                      f"--alpha {config.get('alpha')}")
     return t
 
 

@@ -111,3 +111,37 @@ def token_specific(q: torch.Tensor, p: torch.Tensor, keep: torch.Tensor) -> torc
     """π(v) = q(v)·keep(v) + p(v)·Σ_{v' deferred} q(v')."""
     deferred_mass = (q * (1 - keep)).sum(-1, keepdim=True)
     return q * keep + p * deferred_mass
+
+
+# --- decoding modes: a TargetRule for the runtime ------------------------------------------------------------
+MODES = {"exact": (None,), "lossy": ("beta1", "tuned"), "cascade": ("chow", "diff", "opt"), "token": ("v1", "v2", "v3")}
+
+
+def target_rule(mode: str, rule: str | None, alpha: float, greedy: bool):
+    """The runtime's rule(q_raw, q_scaled, p_raw, p_scaled) → π (K, V) for a decoding mode, or None for exact
+    decoding. Deferral rules read the raw distributions, π mixes the scaled ones. Lossy decoding at
+    temperature 0 is Leviathan's greedy variant, which is V3 on the raw target law (Lemma 7)."""
+    rules = MODES.get(mode)
+    if rules is None:
+        raise ValueError(f"unknown decoding mode {mode!r}; choose one of {sorted(MODES)}")
+    rule = rule or rules[0]
+    if rule not in rules:
+        raise ValueError(f"--mode {mode} takes --rule {' or '.join(map(str, rules))}, got {rule!r}")
+    if mode == "exact":
+        return None
+    if mode == "lossy" and greedy:
+        mode, rule = "token", "v3"
+    if mode == "lossy":
+        def lossy_rule(q_raw, q, p_raw, p):
+            return lossy(q, p, alpha, tuned_beta(q, p, alpha) if rule == "tuned" else 1.0)
+        return lossy_rule
+    if mode == "cascade":
+        defer_of = {"chow": chow, "diff": diff, "opt": opt}[rule]
+
+        def cascade_rule(q_raw, q, p_raw, p):
+            return mixture(q, p, defer_of(q_raw, p_raw, alpha))
+        return cascade_rule
+
+    def token_rule(q_raw, q, p_raw, p):
+        return token_specific(q, p, 1 - token_defer(rule, q_raw, p_raw, alpha))
+    return token_rule

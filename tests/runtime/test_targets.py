@@ -107,3 +107,38 @@ def test_token_specific_samples_follow_pi(rule):
         n, t = verify_chain(x, q[None], torch.stack([pi, pi]), g)
         counts[int(x) if n else t] += 1
     assert chi2_p_value(counts, pi) > ALPHA
+
+
+def test_decoding_modes_through_the_runtime(target):
+    """At α = 0 every mode is exact decoding (greedy: the target's own output); a cascade that never defers
+    accepts every drafted token; a lenient token rule accepts more of a wrong drafter's tokens than exact."""
+    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.targets import target_rule
+    from tests.runtime.test_generate import proposers
+
+    prompt = [1, 2, 3]
+    drafter = proposers(target)["eagle"]  # wrong at every position on this tiny target
+    runner = TargetRunner(target, drafter.aux_layer_ids)
+    exact = generate(runner, drafter, prompt, 16, Static(3))
+    for mode, rule in [("lossy", None), ("cascade", "opt"), ("token", "v2"), ("token", "v3")]:
+        same = generate(runner, drafter, prompt, 16, Static(3), rule=target_rule(mode, rule, 0.0, greedy=True))
+        assert same.tokens == exact.tokens, (mode, rule)
+    never = target_rule("cascade", "chow", 0.999, greedy=True)  # defers only when max q < 0.001
+    out = generate(runner, drafter, prompt, 16, Static(3), rule=never)
+    assert all(r.accepted == r.drafted for r in out.rounds) and out.tokens != exact.tokens
+    lenient = generate(runner, drafter, prompt, 16, Static(3), rule=target_rule("token", "v3", 0.99, greedy=True))
+    assert sum(r.accepted for r in lenient.rounds) > sum(r.accepted for r in exact.rounds) == 0
+
+
+def test_mode_settings_are_checked():
+    from draftsmith import DraftsmithError
+    from draftsmith.eval.evaluate import EvalConfig
+
+    with pytest.raises(DraftsmithError, match="--mode token takes --rule v1 or v2 or v3"):
+        EvalConfig(target="", mode="token", rule="chow")
+    with pytest.raises(DraftsmithError, match="verifies chain drafts; drop --tree"):
+        EvalConfig(target="", mode="cascade", tree="3,4,8")
+    with pytest.raises(DraftsmithError, match="unknown decoding mode"):
+        EvalConfig(target="", mode="bild")
+    assert EvalConfig(target="", mode="exact").target_rule() is None
