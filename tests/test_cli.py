@@ -35,3 +35,14 @@ def test_a_config_check_is_a_clear_error_from_the_command_line(capsys):
         main(["eval", "--target", "x", "--lookup", "4"])
     assert done.value.code == 2
     assert "--lookup grafts a branch on EAGLE-2 trees" in capsys.readouterr().err
+
+
+def test_the_command_map_imports_no_torch():
+    """`draftsmith --help` and `data stats` start without loading torch: the config classes stay light."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys, draftsmith.cli; "
+                          "print(sorted(m for m in ('torch', 'transformers', 'pytorch_lightning') if m in sys.modules))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from draftsmith import DraftsmithError
 
 
@@ -129,17 +127,19 @@ class Answerer:
             raise DraftsmithError(f"target {cfg.target!r} has no EOS token: answers would never end")
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
 
-    @torch.no_grad()
     def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         """(answer tokens without the EOS, ended on EOS) per prompt: transformers' generate, left padding."""
+        import torch
+
         width = max(len(p) for p in prompts)
         device = self.model.device
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p or 1.0, "top_k": 0}
                     if self.cfg.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
-        out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                                  eos_token_id=self.eos, pad_token_id=self.pad, **sampling)[:, width:].tolist()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
+                                      eos_token_id=self.eos, pad_token_id=self.pad, **sampling)[:, width:].tolist()
         answers = []
         for row in out:
             cut = next((i for i, t in enumerate(row) if t in self.eos), None)
@@ -226,6 +226,8 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     counts: Counter = Counter()
     start = time.perf_counter()
     answerer = Answerer(target, cfg)
+    import torch
+
     torch.manual_seed(cfg.seed)  # generate samples from the global generator
     with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:

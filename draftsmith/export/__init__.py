@@ -14,20 +14,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from draftsmith import DraftsmithError
-from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint
-from draftsmith.export.eagle import write_eagle
-from draftsmith.export.eagle3 import write_eagle3
-from draftsmith.export.native import write_native
-from draftsmith.export.speculators import write_speculators
-from draftsmith.models.loading import drafter_from_tensors, load_native, read_export
 
-WRITERS = {"native": write_native, "eagle": write_eagle, "eagle3": write_eagle3, "speculators": write_speculators}
-FORMATS = tuple(WRITERS)
+if TYPE_CHECKING:
+    import torch
+
+# torch, the models and the writers load when an export runs, not when the command map imports ExportConfig
+FORMATS = ("native", "eagle", "eagle3", "speculators")
+
+
+def writers() -> dict[str, Any]:
+    """format → writer(module, ckpt, out, speculative_tokens) → directories written."""
+    from draftsmith.export.eagle import write_eagle
+    from draftsmith.export.eagle3 import write_eagle3
+    from draftsmith.export.native import write_native
+    from draftsmith.export.speculators import write_speculators
+
+    return {"native": write_native, "eagle": write_eagle, "eagle3": write_eagle3, "speculators": write_speculators}
 
 
 @dataclass
@@ -55,8 +60,9 @@ class ExportConfig:
 
 def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> dict[str, Any]:
     """Write `fmt` for the checkpoint into `out`, check it, reload it and compare logits."""
-    if fmt not in FORMATS:
-        raise DraftsmithError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint
+
+    ExportConfig(ckpt_path, fmt, out, speculative_tokens)  # the settings' checks, stated once
     ckpt = load_checkpoint(ckpt_path)
     kind = ckpt["draftsmith"]["kind"]
     if kind == "standalone" and fmt != "native":
@@ -69,7 +75,7 @@ def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> d
                               "use --format eagle3 (vLLM, SGLang) or speculators")
     module = module_from_checkpoint(ckpt)
     out_dir = Path(out)
-    written = WRITERS[fmt](module, ckpt, out_dir, speculative_tokens)
+    written = writers()[fmt](module, ckpt, out_dir, speculative_tokens)
     error = verify_roundtrip(module, fmt, out_dir)
     return {"format": fmt, "kind": kind, "out": str(out_dir), "directories": written, "max_logit_error": error,
             "checkpoint": ckpt["path"]}
@@ -89,6 +95,10 @@ def engine_to_native(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> float:
     """Reload what was written and compare its logits with the trained module's; returns the max error."""
+    import torch
+
+    from draftsmith.models.loading import drafter_from_tensors, load_native, read_export
+
     if hasattr(module, "student"):  # a standalone draft LM: an ordinary transformers directory
         from transformers import AutoModelForCausalLM
 
