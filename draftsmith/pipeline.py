@@ -141,10 +141,11 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     json_path = write_results(results, Path(eval_cfg.out))
     pngs = plots(results, Path(eval_cfg.out))
     console.print(table(results))
-    acc, speed = results["acceptance"], results["speed"]
-    console.print(f"[bold]τ = {acc['tau']:.2f}[/] (mean accepted {acc['mean_accepted']:.2f}), "
-                  f"[bold]speedup = {speed['speedup']:.2f}x[/] over autoregressive decoding "
-                  f"({speed['method']['tokens_per_second']:.1f} vs {speed['autoregressive']['tokens_per_second']:.1f} tok/s)")
+    if "acceptance" in results:  # a --sweep has its rows in the table
+        acc, speed = results["acceptance"], results["speed"]
+        console.print(f"[bold]τ = {acc['tau']:.2f}[/] (mean accepted {acc['mean_accepted']:.2f}), "
+                      f"[bold]speedup = {speed['speedup']:.2f}x[/] over autoregressive decoding "
+                      f"({speed['method']['tokens_per_second']:.1f} vs {speed['autoregressive']['tokens_per_second']:.1f} tok/s)")
     console.print(f"results: {json_path}")
     for png in pngs:
         console.print(f"plot: {png}")

@@ -118,5 +118,6 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),
         "samples": [{"category": c, "tokens": x.tokens} for c, x in zip(categories, runs["method"][0][:3])],
+        "outputs": {name: [x.tokens for x in reps[0]] for name, reps in runs.items()},  # the first repeat's text
     }
 

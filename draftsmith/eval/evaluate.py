@@ -26,7 +26,7 @@ class DecodeOptions:
             cost), static, heuristic, confidence or oracle (a greedy bound: drafts until the first
             token that differs from the target's own greedy text).
         k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle).
-        threshold: the confidence policy's threshold.
+        threshold: the confidence policy's threshold, and BiLD's fallback threshold (--mode bild).
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
@@ -38,10 +38,14 @@ class DecodeOptions:
         repeats: timed repeats after a warm-up (median reported).
         seed: sampling seed.
         mode: exact (lossless), lossy (lossy speculative decoding), cascade (speculative cascades: the
-            draft's law mixed with the target's where a rule defers) or token (token-specific cascades);
-            every mode but exact trades quality for speed and runs on chain drafts.
-        rule: lossy: beta1 or tuned (the residual scale); cascade: chow, diff or opt; token: v1, v2 or v3.
+            draft's law mixed with the target's where a rule defers), token (token-specific cascades) or
+            bild (Big Little Decoder); every mode but exact trades quality for speed and runs on chain drafts.
+        rule: lossy: beta1 or tuned (the residual scale); cascade: chow, diff or opt; token: v1, v2 or v3;
+            bild: rollback (the original: draft while the top probability >= --threshold, roll back at the
+            first token the target gives less than 1 - alpha) or star (defer where TV(p, q) > alpha).
         alpha: the mode's leniency: larger alpha accepts more of the drafter's tokens.
+        sweep: run the mode over a grid of leniencies in one process, e.g. alpha=0,0.1,0.3 (overrides
+            --alpha); results.json gets a row per point.
     """
 
     prompts: str = "mtbench"
@@ -64,6 +68,7 @@ class DecodeOptions:
     mode: str = "exact"
     rule: str | None = None
     alpha: float = 0.0
+    sweep: str | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -83,15 +88,35 @@ class DecodeOptions:
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
         if not 0 <= self.alpha < 1:
             raise DraftsmithError(f"--alpha must be in [0, 1), got {self.alpha}")
-        self.target_rule()
+        for alpha in self.alphas():
+            self.target_rule(alpha)
         self.tree_shape()
 
-    def target_rule(self) -> Any:
-        """The runtime's target rule for --mode/--rule/--alpha (None: exact decoding)."""
+    def alphas(self) -> list[float]:
+        """The leniencies to run: --sweep alpha=A,B,... or just --alpha."""
+        if self.sweep is None:
+            return [self.alpha]
+        name, _, values = str(self.sweep).partition("=")
+        try:
+            grid = [float(x) for x in values.split(",") if x.strip()]
+        except ValueError:
+            grid = []
+        if name.strip() != "alpha" or not grid:
+            raise DraftsmithError(f"--sweep takes alpha=A,B,... (e.g. alpha=0,0.1,0.3), got {self.sweep!r}")
+        if self.mode == "exact":
+            raise DraftsmithError("--sweep varies a lossy mode's alpha: give --mode lossy, cascade, token or bild")
+        bad = [a for a in grid if not 0 <= a < 1]
+        if bad:
+            raise DraftsmithError(f"--sweep alpha values must be in [0, 1), got {bad}")
+        return grid
+
+    def target_rule(self, alpha: float | None = None) -> Any:
+        """The runtime's target rule for --mode/--rule and `alpha` (default --alpha); None: exact decoding."""
         from draftsmith.runtime.targets import target_rule
 
         try:
-            return target_rule(self.mode, self.rule, self.alpha, greedy=self.temperature == 0)
+            return target_rule(self.mode, self.rule, self.alpha if alpha is None else alpha,
+                               greedy=self.temperature == 0, fallback=self.threshold)
         except ValueError as e:
             raise DraftsmithError(str(e)) from None
 
@@ -161,6 +186,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.runtime.sampling import SamplingConfig
 
     console = console or Console(stderr=True)
+    if cfg.mode != "exact" and cfg.drafter is None:
+        raise DraftsmithError(f"--mode {cfg.mode} verifies a drafter's tokens: give --drafter")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
@@ -185,19 +212,42 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         references = {tuple(x): x + generate(runner, NoProposer(target.vocab_size), x, cfg.max_new_tokens, Static(0),
                                              SamplingConfig(), eos_token_ids=eos).tokens for x in ids}
     new_policy = policy_factory(cfg, references)
+    rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
+    chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []
     load_before = _load_average()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2)
+        task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2 * len(rules) + len(chats))
 
         def tick_factory(label: str):
             progress.update(task, description=label)
             return lambda: progress.advance(task)
 
-        results = measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
-                          cfg.repeats, cfg.seed, tick_factory, tree=cfg.tree_shape(), rule=cfg.target_rule())
-    for sample in results["samples"]:
-        sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
+        points = []
+        for alpha, rule in rules:
+            prefix = f"alpha {alpha:g} " if cfg.sweep else ""
+            points.append(measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
+                                  cfg.repeats, cfg.seed, lambda label: tick_factory(prefix + label),
+                                  tree=cfg.tree_shape(), rule=rule))
+        rows = None
+        if chats:
+            from draftsmith.eval.quality import reference_rows
+
+            rows = reference_rows(runner, proposer, chats, tick_factory("reference answers"))
+    ends = None
+    for (alpha, rule), point in zip(rules, points):
+        point["alpha"] = alpha
+        point["quality"] = text_quality(cfg, prompts, tok, point.pop("outputs"))
+        if rows is not None:
+            from draftsmith.eval.quality import reference_quality
+
+            point["quality"]["reference"] = reference_quality(rows, rule, sampling)
+            ends = ends or {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
+        for sample in point["samples"]:
+            sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
+    results = points[0] if not cfg.sweep else {"points": points}
+    if ends is not None:
+        results["reference_ends"] = ends
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
@@ -207,6 +257,42 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
                       "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")
     return results
+
+
+def reference_chats(tokenizer: Any, prompts: list[dict[str, Any]], max_length: int = 1024) -> list[tuple[list[int], list[int]]]:
+    """(ids, assistant mask) of each held-out prompt with its reference answer, for the teacher-forced loss."""
+    from draftsmith.data.chat import tokenize_chat
+    from draftsmith.data.conversations import Conversation
+
+    chats = []
+    for p in prompts:
+        if p.get("reference"):
+            messages = [{"role": "user", "content": p["turns"][0]}, {"role": "assistant", "content": p["reference"]}]
+            chat, _, _ = tokenize_chat(tokenizer, Conversation(p["id"], messages), max_length)
+            if chat is not None:
+                chats.append((chat.input_ids, chat.loss_mask))
+    return chats
+
+
+def text_quality(cfg: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any,
+                 outputs: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """Quality of the generated text, the method's and the target alone's (the same process, first repeat):
+    ROUGE-L against held-out reference answers, HumanEval pass@1, and at temperature 0 the agreement
+    with the target's own greedy text."""
+    from draftsmith.eval.quality import agreement, humaneval_pass_at_1, rouge_l
+
+    texts = {arm: [tokenizer.decode(t, skip_special_tokens=True) for t in toks] for arm, toks in outputs.items()}
+    out: dict[str, Any] = {}
+    with_reference = [i for i, p in enumerate(prompts) if p.get("reference")]
+    if cfg.prompts == "heldout" and with_reference:
+        refs = [prompts[i]["reference"] for i in with_reference]
+        out["rouge_l"] = {arm: rouge_l([t[i] for i in with_reference], refs) for arm, t in texts.items()}
+    if cfg.prompts == "humaneval":
+        task_ids = [p["id"] for p in prompts]
+        out["humaneval_pass_at_1"] = {arm: humaneval_pass_at_1(task_ids, t) for arm, t in texts.items()}
+    if cfg.temperature == 0:
+        out["agreement"] = agreement(outputs["method"], outputs["autoregressive"])
+    return out
 
 
 def _load_average() -> float | None:

@@ -50,14 +50,17 @@ def humaneval() -> list[dict[str, Any]]:
 
 def heldout(data: str = "sharegpt", val_fraction: float = VAL_FRACTION, data_limit: int | None = None) -> list[dict[str, Any]]:
     """First user turn of each validation-split conversation: the split training used, over the
-    same conversations (`data_limit`: the first N kept, as the recipe's `data.limit`)."""
+    same conversations (`data_limit`: the first N kept, as the recipe's `data.limit`). "reference":
+    the answer that followed it in the data (None when the chat has none)."""
     from draftsmith.data.conversations import read_conversations, split_of
 
     out = []
     for conv in read_conversations(data, limit=data_limit):
         if split_of(conv.id, val_fraction) == "val":
-            first = next(m["content"] for m in conv.messages if m["role"] == "user")
-            out.append({"id": conv.id, "category": "heldout", "turns": [first]})
+            at = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+            answer = conv.messages[at + 1] if at + 1 < len(conv.messages) else None
+            out.append({"id": conv.id, "category": "heldout", "turns": [conv.messages[at]["content"]],
+                        "reference": answer["content"] if answer and answer["role"] == "assistant" else None})
     return out
 
 

@@ -14,9 +14,62 @@ def write_results(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def quality_line(quality: dict[str, Any]) -> str:
+    """The generated text's quality, method against the target alone, in a line."""
+    parts = []
+    if "rouge_l" in quality:
+        parts.append(f"ROUGE-L {quality['rouge_l']['method']:.3f} (target {quality['rouge_l']['autoregressive']:.3f})")
+    if "humaneval_pass_at_1" in quality:
+        q = quality["humaneval_pass_at_1"]
+        parts.append(f"HumanEval pass@1 {q['method']:.3f} (target {q['autoregressive']:.3f})")
+    if "agreement" in quality:
+        parts.append(f"agreement with the target's greedy text {quality['agreement']:.1%}")
+    if "reference" in quality:
+        r = quality["reference"]
+        parts.append(f"reference loss {r['loss']:.3f}, top-1 {r['top1']:.3f}, deferral {r['deferral']:.2f}")
+    return "  ".join(parts)
+
+
+def sweep_table(results: dict[str, Any]) -> Any:
+    """One row per alpha of a --sweep, with the target alone and the drafter alone where measured."""
+    from rich.table import Table
+
+    config = results["config"]
+    t = Table(title=f"{config['prompts']}: --mode {config['mode']} --rule {config.get('rule') or 'default'} sweep, "
+                    f"{config['drafter']} on {config['target']}")
+    for col in ("alpha", "τ", "tok/s", "speedup", "latency vs target", "ref. loss", "top-1", "deferral",
+                "rejection", "ROUGE-L", "agreement"):
+        t.add_column(col, justify="right")
+    ends = results.get("reference_ends", {})
+
+    def ref_cells(r: dict[str, Any] | None) -> list[str]:
+        return [f"{r['loss']:.3f}", f"{r['top1']:.3f}", f"{r['deferral']:.2f}", f"{r['rejection']:.2f}"] if r else ["–"] * 4
+
+    first = results["points"][0]["quality"]
+    if "target" in ends:
+        rouge = first.get("rouge_l", {}).get("autoregressive")
+        t.add_row("target", "1.00", f"{results['points'][0]['speed']['autoregressive']['tokens_per_second']:.1f}",
+                  "1.00x", "1.00", *ref_cells(ends["target"]), f"{rouge:.3f}" if rouge is not None else "–",
+                  "100%" if "agreement" in first else "–")
+    for point in results["points"]:
+        q, speed = point["quality"], point["speed"]
+        rouge = q.get("rouge_l", {}).get("method")
+        t.add_row(f"{point['alpha']:g}", f"{point['acceptance']['tau']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
+                  f"{speed['speedup']:.2f}x", f"{1 / speed['speedup']:.2f}", *ref_cells(q.get("reference")),
+                  f"{rouge:.3f}" if rouge is not None else "–",
+                  f"{q['agreement']:.0%}" if "agreement" in q else "–")
+    if "drafter" in ends:
+        t.add_row("drafter", "–", "–", "–", "–", *ref_cells(ends["drafter"]), "–", "–")
+    t.caption = (f"LOSSY (--mode {config['mode']}): the output is not the target's own. latency = wall time per token "
+                 f"relative to the target alone in the same process, median of {config['repeats']} repeats")
+    return t
+
+
 def table(results: dict[str, Any]) -> Any:
     from rich.table import Table
 
+    if "points" in results:
+        return sweep_table(results)
     acc, speed = results["acceptance"], results["speed"]
     t = Table(title=f"{results['config']['prompts']}: {results['config']['drafter']} on {results['config']['target']}")
     for col in ("category", "prompts", "τ (with bonus)", "mean accepted", "tok/s", "AR tok/s", "speedup"):
@@ -39,11 +92,12 @@ def table(results: dict[str, Any]) -> Any:
     if config.get("mode", "exact") != "exact":  # not lossless: the output is not the target's own
         t.caption += (f"  LOSSY: --mode {config['mode']} --rule {config.get('rule') or 'default'} "
                       f"--alpha {config.get('alpha')}")
+    if results.get("quality"):
+        t.caption += "  " + quality_line(results["quality"])
     return t
 
 
-def plots(results: dict[str, Any], out: Path) -> list[str]:
-    """Two PNGs; returns their paths (none, with a hint, when matplotlib is missing)."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -51,6 +105,50 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("plots skipped: pip install matplotlib")
+        return None
+    return plt
+
+
+def sweep_plot(results: dict[str, Any], out: Path) -> list[str]:
+    """Quality against latency relative to the target alone, a point per alpha (reference loss where measured,
+    else ROUGE-L or agreement), the target's quality dashed."""
+    plt = _pyplot()
+    points = results["points"]
+    metric = next((m for m in ("reference", "rouge_l", "agreement") if m in points[0]["quality"]), None)
+    if plt is None or metric is None:
+        return []
+
+    def value(q: dict[str, Any]) -> float:
+        return q["reference"]["loss"] if metric == "reference" else q["rouge_l"]["method"] if metric == "rouge_l" \
+            else q["agreement"]
+    target = {"reference": results.get("reference_ends", {}).get("target", {}).get("loss"),
+              "rouge_l": points[0]["quality"].get("rouge_l", {}).get("autoregressive"), "agreement": 1.0}[metric]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    xs, ys = [1 / p["speed"]["speedup"] for p in points], [value(p["quality"]) for p in points]
+    ax.plot(xs, ys, "o-", label=f"{results['config']['mode']} {results['config'].get('rule') or ''}")
+    for p, x, y in zip(points, xs, ys):
+        ax.annotate(f"{p['alpha']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if target is not None:
+        ax.axhline(target, color="black", ls="--", lw=0.8, label="target alone")
+    ax.set_xlabel("latency relative to the target alone")
+    ax.set_ylabel({"reference": "reference loss (−log π, lower is better)", "rouge_l": "ROUGE-L",
+                   "agreement": "agreement with the target's greedy text"}[metric])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = str(out / "quality_vs_latency.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """PNGs of a run (α_j by position, τ and speedup by category; a sweep's quality against latency);
+    returns their paths (none, with a hint, when matplotlib is missing)."""
+    if "points" in results:
+        return sweep_plot(results, out)
+    plt = _pyplot()
+    if plt is None:
         return []
     out.mkdir(parents=True, exist_ok=True)
     paths = []

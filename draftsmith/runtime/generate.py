@@ -19,14 +19,16 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
-from draftsmith.runtime.policies import Policy
+from draftsmith.runtime.policies import Fallback, Policy
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
+from draftsmith.runtime.targets import Rollback
 from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, tree_attention_mask, verify_tree,
                                      verify_tree_greedy)
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
-# π = rule(q_raw, q_scaled, p_raw, p_scaled), each (K, V); None means exact (π = p)
+# π = rule(q_raw, q_scaled, p_raw, p_scaled), each (K, V); None means exact (π = p); a targets.Rollback
+# (BiLD) is verified its own way
 TargetRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -130,11 +132,20 @@ def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], 
                  sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
     """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
     token, the forward's outputs, and (drafted, depth)."""
+    bild = isinstance(rule, Rollback)
+    if bild and rule.fallback is not None:
+        policy = Fallback(policy, rule.fallback)  # stops after the first unsure token; dropped below
     draft, q, q_raw = proposer.propose(sequence, policy, max_k, sampling, generator)
+    if bild and len(draft):
+        kept = rule.confident(q_raw)
+        draft, q, q_raw = draft[:kept], q[:kept], q_raw[:kept]
     k = len(draft)
     logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
     if sampling.greedy and rule is None:
         accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), greedy_tokens(logits))
+    elif bild:
+        p_raw, p = distributions(logits, sampling)
+        accepted, token = rule.verify(torch.tensor(draft, dtype=torch.long, device=p.device), p_raw[:k], p, generator)
     else:
         p_raw, p = distributions(logits, sampling)
         pi = p.clone()

@@ -107,6 +107,25 @@ class Confidence:
 
 
 @dataclass
+class Fallback:
+    """Another policy, stopped after the first drafted token whose top probability is below `threshold`
+    (BiLD's fallback: the runtime then leaves that token to the target)."""
+
+    inner: Policy
+    threshold: float
+    name: str = "fallback"
+
+    def max_tokens(self) -> int:
+        return self.inner.max_tokens()
+
+    def keep_going(self, step: DraftStep) -> bool:
+        return self.inner.keep_going(step) and (step.position == 0 or float(step.q_raw.max()) >= self.threshold)
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        self.inner.end_round(drafted, accepted)
+
+
+@dataclass
 class Oracle:
     """The oracle draft length, an upper bound for evaluation, not a policy a user can run.
 

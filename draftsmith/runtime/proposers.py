@@ -121,6 +121,19 @@ class FeatureProposer:
         self.anchors += n
         self.hidden = out[:, -1:]
         self.forwards += 1
+        return out
+
+    @torch.no_grad()
+    def teacher_forced(self, ids: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """Logits (P−1, V), row t for ids[t+1], with the target's features of `ids` (P, H) as anchors (row 0,
+        which no anchor predicts, is NaN; −inf where the drafter cannot draft). Resets the proposer."""
+        self.reset()
+        out = self.observe(ids[1:-1], final[:-2], aux[:-2] if aux is not None else None)  # anchor t predicts ids[t+2]
+        logits = self.drafter.logits(out)[0].float()
+        if self.to_target is not None:
+            logits = torch.full((len(logits), self.vocab_size), float("-inf"), device=logits.device).index_copy(
+                1, self.to_target, logits)
+        return torch.cat([torch.full((1, logits.shape[1]), float("nan"), device=logits.device), logits])
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return _in_target_vocab(probs, self.to_target, self.vocab_size)
@@ -248,12 +261,23 @@ class ModelProposer:
         return _in_target_vocab(probs, self.head_ids, self.vocab_size)
 
     @torch.no_grad()
+    def teacher_forced(self, ids: list[int], final: Any = None, aux: Any = None) -> torch.Tensor:
+        """Logits (P−1, V), row t for ids[t+1] (−inf outside a ranked head). Resets the proposer."""
+        self.reset()
+        logits = self.model(input_ids=torch.tensor([ids[:-1]], device=self._device())).logits[0].float()
+        if self.head_ids is not None:
+            logits = torch.full_like(logits, float("-inf")).index_copy(1, self.head_ids, logits[:, self.head_ids])
+        return logits
+
+    @torch.no_grad()
     def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        # keep the keys of last round's drafts that were accepted; drop the rest
+        # keep the keys of last round's drafts that were accepted; drop the rest. The sequence's last token
+        # is fed again even when its keys are there (BiLD's rollback may commit a rejected token anew):
+        # its logits are what the next draft starts from
         start = len(self.cached)
         keep = 0
-        while keep < len(self.fed) and start + keep < len(sequence) and sequence[start + keep] == self.fed[keep]:
+        while keep < len(self.fed) and start + keep < len(sequence) - 1 and sequence[start + keep] == self.fed[keep]:
             keep += 1
         extra = self.cache.get_seq_length() - start - keep
         if extra > 0:

@@ -16,6 +16,12 @@ norm(max(0, π − q))) makes the committed token follow π exactly; π = p is l
 - **token-specific** cascades: a deferral indicator r(v) per token (V1, V2, V3 below), π(v) =
   q(v)·(1 − r(v)) + p(v)·Σ_v' r(v')·q(v'). V3 at temperature 0 is Leviathan's greedy lossy variant
   (accept the drafted v when p(v) ≥ (1−α)·max p; the paper's Lemma 7).
+- **BiLD** (Kim et al. 2023, arXiv:2302.07863): BiLD* is the mixture with δ = 1[TV(p, q) > α] (defer
+  where the two models disagree by more than α); the original algorithm (`Rollback`, with the
+  fallback drafting of runtime/proposers.py) rolls back at the first drafted token whose
+  cross-entropy under the target exceeds −log(1 − α) and lets the target pick that token. Its
+  output law is the token-specific π with r(v) = 1[p(v) < 1 − α], reached by a different,
+  deterministic acceptance.
 
 Deferral rules read the raw (temperature 1, untruncated) distributions; π mixes the scaled ones,
 so the rules trade quality for speed even at temperature 0 (the paper's appendix C.1).
@@ -25,6 +31,8 @@ Notation: (..., V) distributions; δ (...,).
 from __future__ import annotations
 
 import torch
+
+from draftsmith.runtime.sampling import sample
 
 
 def exact(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -89,6 +97,11 @@ def opt(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
     return (q_raw.max(-1).values < p_raw.max(-1).values - alpha * total_variation(p_raw, q_raw)).float()
 
 
+def bild_star(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
+    """BiLD*: defer where the models disagree, TV(p, q) > α."""
+    return (total_variation(p_raw, q_raw) > alpha).float()
+
+
 # --- token-specific cascades: a deferral indicator per token -----------------------------------------------
 def token_defer(rule: str, q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
     """r(v) in {0, 1} (..., V): V1 q(v) < max p − α; V2 p(v) < max p − α; V3 p(v) < (1 − α)·max p."""
@@ -113,14 +126,69 @@ def token_specific(q: torch.Tensor, p: torch.Tensor, keep: torch.Tensor) -> torc
     return q * keep + p * deferred_mass
 
 
+# --- BiLD's rollback: a deterministic acceptance with a token-specific law ------------------------------
+class Rollback:
+    """BiLD's rollback rule (chains): accept drafted tokens while the target's raw probability of each is at
+    least 1 − α (its cross-entropy at most −log(1 − α) nats); at the first that falls short, and after a
+    fully accepted draft, the target samples the next token from its own (scaled) law. As a target
+    distribution (`__call__`, for measurement) it is token_specific with keep(v) = 1[p(v) ≥ 1 − α].
+
+    `fallback`: BiLD's drafting: the drafter drafts while its top probability stays at or above this,
+    and the token where it falls below is left to the target (the runtime applies it; None: off)."""
+
+    def __init__(self, alpha: float, fallback: float | None = None):
+        self.alpha, self.fallback = alpha, fallback
+        self.floor = 1 - alpha
+
+    def confident(self, q_raw: torch.Tensor) -> int:
+        """How many leading drafted tokens (q_raw (K, V)) the fallback keeps."""
+        if self.fallback is None or not len(q_raw):
+            return len(q_raw)
+        unsure = q_raw.max(-1).values < self.fallback
+        return int(unsure.int().argmax()) if bool(unsure.any()) else len(q_raw)
+
+    def keep(self, p_raw: torch.Tensor) -> torch.Tensor:
+        return (p_raw >= self.floor).float()
+
+    def __call__(self, q_raw, q, p_raw, p):
+        return token_specific(q, p, self.keep(p_raw))
+
+    def deferral(self, q_raw, q, p_raw, p):
+        return (q * (1 - self.keep(p_raw))).sum(-1)
+
+    def verify(self, draft: torch.Tensor, p_raw: torch.Tensor, p: torch.Tensor,
+               generator: torch.Generator | None = None) -> tuple[int, int]:
+        """draft (K,), p_raw (K, V) the target's raw law at the drafted positions, p (K+1, V) its scaled law
+        there and after the last. Returns (accepted count, next token)."""
+        k = draft.shape[0]
+        low = p_raw[torch.arange(k, device=draft.device), draft] < self.floor
+        accepted = int(low.int().argmax()) if bool(low.any()) else k
+        return accepted, int(sample(p[accepted], generator))
+
+
 # --- decoding modes: a TargetRule for the runtime ------------------------------------------------------------
-MODES = {"exact": (None,), "lossy": ("beta1", "tuned"), "cascade": ("chow", "diff", "opt"), "token": ("v1", "v2", "v3")}
+MODES = {"exact": (None,), "lossy": ("beta1", "tuned"), "cascade": ("chow", "diff", "opt"), "token": ("v1", "v2", "v3"),
+         "bild": ("rollback", "star")}
 
 
-def target_rule(mode: str, rule: str | None, alpha: float, greedy: bool):
-    """The runtime's rule(q_raw, q_scaled, p_raw, p_scaled) → π (K, V) for a decoding mode, or None for exact
-    decoding. Deferral rules read the raw distributions, π mixes the scaled ones. Lossy decoding at
-    temperature 0 is Leviathan's greedy variant, which is V3 on the raw target law (Lemma 7)."""
+class TargetLaw:
+    """A decoding mode's π = law(q_raw, q, p_raw, p) (K, V), with `deferral`: the share of it handed to
+    the target (K,): δ for a mixture, the deferred mass Σ r(v)·q(v) for a token-specific rule, the
+    rejection mass for lossy decoding."""
+
+    def __init__(self, law, deferral):
+        self.law, self.deferral = law, deferral
+
+    def __call__(self, q_raw, q, p_raw, p):
+        return self.law(q_raw, q, p_raw, p)
+
+
+def target_rule(mode: str, rule: str | None, alpha: float, greedy: bool, fallback: float | None = None):
+    """The runtime's rule for a decoding mode: a TargetLaw, called as rule(q_raw, q_scaled, p_raw, p_scaled)
+    → π (K, V), or None for exact decoding. Deferral rules read the raw distributions, π mixes the scaled
+    ones. Lossy decoding at temperature 0 is Leviathan's greedy variant, which is V3 on the raw target
+    law (Lemma 7). BiLD's rollback is a `Rollback` (its own acceptance; the runtime calls its `verify`)
+    with BiLD's `fallback` drafting threshold."""
     rules = MODES.get(mode)
     if rules is None:
         raise ValueError(f"unknown decoding mode {mode!r}; choose one of {sorted(MODES)}")
@@ -132,16 +200,14 @@ def target_rule(mode: str, rule: str | None, alpha: float, greedy: bool):
     if mode == "lossy" and greedy:
         mode, rule = "token", "v3"
     if mode == "lossy":
-        def lossy_rule(q_raw, q, p_raw, p):
+        def lossy_law(q_raw, q, p_raw, p):
             return lossy(q, p, alpha, tuned_beta(q, p, alpha) if rule == "tuned" else 1.0)
-        return lossy_rule
-    if mode == "cascade":
-        defer_of = {"chow": chow, "diff": diff, "opt": opt}[rule]
-
-        def cascade_rule(q_raw, q, p_raw, p):
-            return mixture(q, p, defer_of(q_raw, p_raw, alpha))
-        return cascade_rule
-
-    def token_rule(q_raw, q, p_raw, p):
-        return token_specific(q, p, 1 - token_defer(rule, q_raw, p_raw, alpha))
-    return token_rule
+        return TargetLaw(lossy_law, lambda q_raw, q, p_raw, p: 1 - torch.minimum(q, p / (1 - alpha)).sum(-1))
+    if mode == "bild" and rule == "rollback":
+        return Rollback(alpha, fallback)
+    if mode in ("cascade", "bild"):
+        defer_of = {"chow": chow, "diff": diff, "opt": opt, "star": bild_star}[rule]
+        return TargetLaw(lambda q_raw, q, p_raw, p: mixture(q, p, defer_of(q_raw, p_raw, alpha)),
+                         lambda q_raw, q, p_raw, p: defer_of(q_raw, p_raw, alpha))
+    return TargetLaw(lambda q_raw, q, p_raw, p: token_specific(q, p, 1 - token_defer(rule, q_raw, p_raw, alpha)),
+                     lambda q_raw, q, p_raw, p: (q * token_defer(rule, q_raw, p_raw, alpha)).sum(-1))

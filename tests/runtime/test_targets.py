@@ -140,5 +140,140 @@ def test_mode_settings_are_checked():
     with pytest.raises(DraftsmithError, match="verifies chain drafts; drop --tree"):
         EvalConfig(target="", mode="cascade", tree="3,4,8")
     with pytest.raises(DraftsmithError, match="unknown decoding mode"):
-        EvalConfig(target="", mode="bild")
+        EvalConfig(target="", mode="bogus")
     assert EvalConfig(target="", mode="exact").target_rule() is None
+
+
+def sequential_law(target, draft, prompt, length, k, cfg, rule):
+    """P(sequence) of `length` tokens decoded by the runtime with a static draft of k and `rule`, by walking
+    every path of the procedure: the prefill's token ~ p; a round drafts min(k, room) tokens (BiLD's
+    fallback stops it at the first drafted position whose max q_raw is below the threshold); at drafted
+    position i the committed x is accepted with mass min(q, π)(x) (the round goes on) or is the
+    correction with mass max(0, π − q)(x) (the round ends) — for BiLD's rollback, q(x)·keep(x) and
+    Σ q·(1 − keep)·p(x); after the last drafted token the target draws from p."""
+    from collections import defaultdict
+
+    from draftsmith.runtime.sampling import distributions
+
+    cache = {}
+
+    def law_after(model, seq):
+        if (id(model), seq) not in cache:
+            with torch.no_grad():
+                logits = model(torch.tensor([list(seq)])).logits[0, -1]
+            cache[id(model), seq] = distributions(logits, cfg)
+        return cache[id(model), seq]
+
+    law: dict[tuple, float] = defaultdict(float)
+    bild = isinstance(rule, targets.Rollback)
+
+    def walk(seq: tuple, prob: float, i: int | None, k_round: int) -> None:
+        done = len(seq) - len(prompt)
+        if done == length:
+            law[seq[len(prompt):]] += prob
+            return
+        if i is None:  # a round starts
+            i, k_round = 0, min(k, length - done - 1)
+        p_raw, p = law_after(target, seq)
+        if i < k_round:
+            q_raw, q = law_after(draft, seq)
+            if not (bild and rule.fallback is not None and float(q_raw.max()) < rule.fallback):
+                if bild:
+                    keep = rule.keep(p_raw)
+                    accept, correct = q * keep, (q * (1 - keep)).sum() * p
+                else:
+                    pi = rule(q_raw[None], q[None], p_raw[None], p[None])[0]
+                    accept, correct = torch.minimum(q, pi), (pi - q).clamp(min=0)
+                for x in range(len(p)):
+                    if accept[x] > 0:
+                        walk(seq + (x,), prob * float(accept[x]), i + 1, k_round)
+                    if correct[x] > 0:
+                        walk(seq + (x,), prob * float(correct[x]), None, 0)
+                return
+        for x in range(len(p)):  # the bonus, or a round that drafted nothing
+            if p[x] > 0:
+                walk(seq + (x,), prob * float(p[x]), None, 0)
+
+    _, p0 = law_after(target, tuple(prompt))
+    for x in range(len(p0)):
+        walk(tuple(prompt) + (x,), float(p0[x]), None, 0)
+    return dict(law)
+
+
+@pytest.mark.parametrize("mode, rule, alpha", [("lossy", "tuned", 0.2), ("cascade", "opt", 0.2), ("token", "v3", 0.6),
+                                              ("bild", "star", 0.1), ("bild", "rollback", 0.6)])
+def test_decoded_sequences_follow_the_sequential_law_of_pi(mode, rule, alpha):
+    """χ² of 4-token sequences decoded through the runtime (tiny target and drafter, 3-token vocabulary, static
+    drafts of 2, temperature 1, logits sharpened so the two disagree) against the law enumerated from π at
+    every prefix, one rule of each family. The law must differ from the target's own and from the drafter's
+    by more than the test's noise (n·Σ Δ²/law, the χ² statistic a runtime producing either would score on
+    average above the degrees of freedom), or the test would prove nothing about the rule."""
+    from collections import Counter
+
+    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.proposers import ModelProposer
+    from draftsmith.runtime.sampling import SamplingConfig
+    from tests.conftest import make_llama
+
+    vocab, length, k, n, prompt = 3, 4, 2, 3000, [1, 2]
+    cfg = SamplingConfig(temperature=1.0)
+    target, draft = make_llama(vocab, seed=3, hidden=16, layers=1), make_llama(vocab, seed=4, hidden=16, layers=1)
+    target.config.eos_token_id = draft.config.eos_token_id = None
+    with torch.no_grad():  # tied embeddings: the final norm undoes the scale on the way in, the head keeps it
+        target.lm_head.weight.mul_(3)
+        draft.lm_head.weight.mul_(3)
+    rule_fn = targets.target_rule(mode, rule, alpha, greedy=False, fallback=0.45)
+    law = sequential_law(target, draft, prompt, length, k, cfg, rule_fn)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-5)
+    for end in (lambda q_raw, q, p_raw, p: p, lambda q_raw, q, p_raw, p: q):
+        other = sequential_law(target, draft, prompt, length, k, cfg, end)
+        assert n * sum((law[s] - other.get(s, 0)) ** 2 / law[s] for s in law if law[s] > 0) > 30, "a trivial law"
+    g = torch.Generator().manual_seed(0)
+    runner, proposer = TargetRunner(target), ModelProposer(draft, vocab)
+    counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(k), cfg, rule=rule_fn, generator=g).tokens)
+                     for _ in range(n))
+    cells = sorted(law)
+    assert all(s in law for s in counts), "a sequence of probability zero was produced"
+    observed = torch.tensor([float(counts.get(s, 0)) for s in cells])
+    assert chi2_p_value(observed, torch.tensor([law[s] for s in cells])) > ALPHA
+
+
+def test_bild_rules_by_hand():
+    """BiLD*: defer where TV(p, q) > α. Rollback: accept while p(x) ≥ 1 − α, the target picks the token at the
+    first that falls short; its law is token-specific with keep(v) = 1[p(v) ≥ 1 − α]; the fallback keeps the
+    drafted tokens before the first whose max q is below its threshold."""
+    assert targets.bild_star(Q, P, 0.49).item() == 1.0 and targets.bild_star(Q, P, 0.5).item() == 0.0  # TV = 0.5
+    rule = targets.target_rule("bild", None, 0.65, greedy=False, fallback=0.5)
+    assert isinstance(rule, targets.Rollback) and rule.floor == pytest.approx(0.35)
+    p_raw = torch.tensor([[0.2, 0.4, 0.4], [0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
+    p = torch.cat([p_raw, torch.tensor([[0.0, 0.0, 1.0]])])
+    g = torch.Generator().manual_seed(0)
+    assert rule.verify(torch.tensor([1, 1, 0]), p_raw, p, g) == (3, 2)  # 0.4, 0.6, 0.5 ≥ 0.35: all kept, bonus ~ p[3]
+    n, token = rule.verify(torch.tensor([2, 2, 0]), p_raw, torch.eye(3)[[0, 1, 1, 2]], g)
+    assert (n, token) == (1, 1)  # p(2) = 0.3 < 0.35 at position 1: rolled back, the target's token there
+    assert torch.allclose(rule(Q, Q, P, P), targets.token_specific(Q, P, torch.tensor([0.0, 1.0, 1.0])))
+    assert float(rule.deferral(Q, Q, P, P)) == pytest.approx(0.7)  # q's mass on the token p gives 0.2 < 0.35
+    q_raw = torch.tensor([[0.9, 0.05, 0.05], [0.6, 0.3, 0.1], [0.4, 0.3, 0.3], [0.9, 0.05, 0.05]])
+    assert rule.confident(q_raw) == 2 and targets.Rollback(0.5).confident(q_raw) == 4
+    star = targets.target_rule("bild", "star", 0.3, greedy=False)
+    assert torch.allclose(star(Q, Q, P, P), P) and float(star.deferral(Q, Q, P, P)) == 1.0
+
+
+def test_bild_fallback_through_the_runtime(target):
+    """A fallback threshold no drafted token reaches leaves every token to the target (its own greedy text,
+    nothing drafted); with threshold 0 every round drafts what the policy allows; the rollback floor at α = 0
+    takes nothing the target does not give probability 1, so the text stays the target's."""
+    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.policies import Static
+    from tests.runtime.test_generate import proposers
+
+    prompt, drafter = [1, 2, 3], proposers(target)["self"]  # the target drafting for itself
+    runner = TargetRunner(target)
+    exact = generate(runner, drafter, prompt, 12, Static(3))
+    unsure = generate(runner, drafter, prompt, 12, Static(3), rule=targets.Rollback(0.9, fallback=1.01))
+    assert unsure.tokens == exact.tokens and all(r.drafted == 0 for r in unsure.rounds)
+    sure = generate(runner, drafter, prompt, 12, Static(3), rule=targets.Rollback(0.999, fallback=0.0))
+    assert sure.tokens == exact.tokens and sum(r.accepted for r in sure.rounds) == sum(r.drafted for r in sure.rounds) > 0
+    strict = generate(runner, drafter, prompt, 12, Static(3), rule=targets.Rollback(0.0, fallback=0.0))
+    assert strict.tokens == exact.tokens and sum(r.accepted for r in strict.rounds) == 0
