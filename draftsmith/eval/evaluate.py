@@ -178,6 +178,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.prompts import load_prompts
+    from draftsmith.eval.quality import reference_quality, reference_rows
     from draftsmith.models.loading import load_proposer
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
@@ -229,25 +230,18 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
             points.append(measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
                                   cfg.repeats, cfg.seed, lambda label: tick_factory(prefix + label),
                                   tree=cfg.tree_shape(), rule=rule))
-        rows = None
-        if chats:
-            from draftsmith.eval.quality import reference_rows
-
-            rows = reference_rows(runner, proposer, chats, tick_factory("reference answers"))
-    ends = None
+        rows = reference_rows(runner, proposer, chats, tick_factory("reference answers")) if chats else None
+    scores: dict = {}  # the target alone's text is the same at every point: scored once
     for (alpha, rule), point in zip(rules, points):
         point["alpha"] = alpha
-        point["quality"] = text_quality(cfg, prompts, tok, point.pop("outputs"))
+        point["quality"] = text_quality(cfg, prompts, tok, point.pop("outputs"), scores)
         if rows is not None:
-            from draftsmith.eval.quality import reference_quality
-
             point["quality"]["reference"] = reference_quality(rows, rule, sampling)
-            ends = ends or {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
         for sample in point["samples"]:
             sample["text"] = tok.decode(sample.pop("tokens"), skip_special_tokens=True)[:400]
     results = points[0] if not cfg.sweep else {"points": points}
-    if ends is not None:
-        results["reference_ends"] = ends
+    if rows is not None:
+        results["reference_ends"] = {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
     results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
@@ -275,21 +269,30 @@ def reference_chats(tokenizer: Any, prompts: list[dict[str, Any]], max_length: i
 
 
 def text_quality(cfg: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any,
-                 outputs: dict[str, list[list[int]]]) -> dict[str, Any]:
+                 outputs: dict[str, list[list[int]]], scores: dict | None = None) -> dict[str, Any]:
     """Quality of the generated text, the method's and the target alone's (the same process, first repeat):
     ROUGE-L against held-out reference answers, HumanEval pass@1, and at temperature 0 the agreement
-    with the target's own greedy text."""
+    with the target's own greedy text. `scores` keeps each (measure, texts) scored, across calls."""
     from draftsmith.eval.quality import agreement, humaneval_pass_at_1, rouge_l
+
+    scores = {} if scores is None else scores
+
+    def scored(measure: str, score: Callable[[list[str]], float], texts: list[str]) -> float:
+        if (measure, tuple(texts)) not in scores:
+            scores[measure, tuple(texts)] = score(texts)
+        return scores[measure, tuple(texts)]
 
     texts = {arm: [tokenizer.decode(t, skip_special_tokens=True) for t in toks] for arm, toks in outputs.items()}
     out: dict[str, Any] = {}
     with_reference = [i for i, p in enumerate(prompts) if p.get("reference")]
     if cfg.prompts == "heldout" and with_reference:
         refs = [prompts[i]["reference"] for i in with_reference]
-        out["rouge_l"] = {arm: rouge_l([t[i] for i in with_reference], refs) for arm, t in texts.items()}
+        out["rouge_l"] = {arm: scored("rouge_l", lambda x: rouge_l(x, refs), [t[i] for i in with_reference])
+                          for arm, t in texts.items()}
     if cfg.prompts == "humaneval":
         task_ids = [p["id"] for p in prompts]
-        out["humaneval_pass_at_1"] = {arm: humaneval_pass_at_1(task_ids, t) for arm, t in texts.items()}
+        out["humaneval_pass_at_1"] = {arm: scored("pass_at_1", lambda x: humaneval_pass_at_1(task_ids, x), t)
+                                      for arm, t in texts.items()}
     if cfg.temperature == 0:
         out["agreement"] = agreement(outputs["method"], outputs["autoregressive"])
     return out

@@ -88,6 +88,11 @@ class Heuristic:
         self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
+def sure(step: DraftStep, threshold: float) -> bool:
+    """The drafter's top probability for the last drafted token is at least `threshold` (true before any)."""
+    return step.position == 0 or float(step.q_raw.max()) >= threshold
+
+
 @dataclass
 class Confidence:
     """Draft while the drafter's top probability stays at or above `threshold` (at most max_k)."""
@@ -100,7 +105,7 @@ class Confidence:
         return self.max_k
 
     def keep_going(self, step: DraftStep) -> bool:
-        return step.position < self.max_k and (step.position == 0 or float(step.q_raw.max()) >= self.threshold)
+        return step.position < self.max_k and sure(step, self.threshold)
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
@@ -119,7 +124,7 @@ class Fallback:
         return self.inner.max_tokens()
 
     def keep_going(self, step: DraftStep) -> bool:
-        return self.inner.keep_going(step) and (step.position == 0 or float(step.q_raw.max()) >= self.threshold)
+        return self.inner.keep_going(step) and sure(step, self.threshold)
 
     def end_round(self, drafted: int, accepted: int) -> None:
         self.inner.end_round(drafted, accepted)

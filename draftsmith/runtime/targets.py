@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.runtime.sampling import sample
+from draftsmith.runtime.verify import first_true
 
 
 def exact(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -142,10 +143,9 @@ class Rollback:
 
     def confident(self, q_raw: torch.Tensor) -> int:
         """How many leading drafted tokens (q_raw (K, V)) the fallback keeps."""
-        if self.fallback is None or not len(q_raw):
+        if self.fallback is None:
             return len(q_raw)
-        unsure = q_raw.max(-1).values < self.fallback
-        return int(unsure.int().argmax()) if bool(unsure.any()) else len(q_raw)
+        return first_true(q_raw.max(-1).values < self.fallback)
 
     def keep(self, p_raw: torch.Tensor) -> torch.Tensor:
         return (p_raw >= self.floor).float()
@@ -160,9 +160,7 @@ class Rollback:
                generator: torch.Generator | None = None) -> tuple[int, int]:
         """draft (K,), p_raw (K, V) the target's raw law at the drafted positions, p (K+1, V) its scaled law
         there and after the last. Returns (accepted count, next token)."""
-        k = draft.shape[0]
-        low = p_raw[torch.arange(k, device=draft.device), draft] < self.floor
-        accepted = int(low.int().argmax()) if bool(low.any()) else k
+        accepted = first_true(p_raw[torch.arange(draft.shape[0], device=draft.device), draft] < self.floor)
         return accepted, int(sample(p[accepted], generator))
 
 

@@ -17,6 +17,11 @@ import torch
 from draftsmith.runtime.sampling import sample
 
 
+def first_true(mask: torch.Tensor) -> int:
+    """The index of the first True in a 1-D mask, or its length when there is none (one host sync)."""
+    return int(mask.int().argmax()) if bool(mask.any()) else len(mask)
+
+
 def verify_chain(draft: torch.Tensor, q: torch.Tensor, pi: torch.Tensor,
                  generator: torch.Generator | None = None) -> tuple[int, int]:
     """draft (K,) tokens, q (K, V) the distributions they were drawn from, pi (K+1, V) the target
@@ -27,9 +32,7 @@ def verify_chain(draft: torch.Tensor, q: torch.Tensor, pi: torch.Tensor,
         rows = torch.arange(k, device=draft.device)
         ratio = (pi[rows, draft] / q[rows, draft]).clamp(max=1.0)  # q(x) > 0: x was drawn from q
         u = torch.rand(k, generator=generator, device=draft.device)
-        rejected = u >= ratio
-        if bool(rejected.any()):  # one host sync per round
-            accepted = int(rejected.int().argmax())
+        accepted = first_true(u >= ratio)  # the first rejection
     if accepted == k:
         return k, int(sample(pi[k], generator))
     residual = (pi[accepted] - q[accepted]).clamp(min=0.0)
@@ -42,6 +45,5 @@ def verify_chain(draft: torch.Tensor, q: torch.Tensor, pi: torch.Tensor,
 def verify_greedy(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
     """The exact greedy path: accept while the draft equals the target's argmax (K+1,)."""
     k = draft.shape[0]
-    mismatch = draft != target_argmax[:k]
-    accepted = int(mismatch.int().argmax()) if bool(mismatch.any()) else k
+    accepted = first_true(draft != target_argmax[:k])
     return accepted, int(target_argmax[accepted])
