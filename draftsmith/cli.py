@@ -6,8 +6,10 @@ docstring is the command's help. `draftsmith COMMAND --help` lists them.
     draftsmith regenerate --target T --data SOURCE --out CHATS.jsonl [--turns first|all] ...
     draftsmith extract --target T --data SOURCE --out DIR [--layer_ids [2,15,27]] ...
     draftsmith fit --config RECIPE.yaml [--trainer.max_steps N] [--data.features_dir DIR] [--ckpt_path last]
+    draftsmith labels --target T --drafter DIR --data CHATS --out LABELS [--k_max 8] ...
     draftsmith export CKPT_OR_RUN_DIR --format native|eagle|eagle3|speculators --out DIR
-    draftsmith eval --target T --drafter DIR [--prompts mtbench|humaneval|heldout] ...
+    draftsmith tune --target T --drafter DIR --policy specdec|disco|confidence ...
+    draftsmith eval --target T --drafter DIR [--prompts mtbench|humaneval|heldout] [--policy specdec] ...
     draftsmith run RECIPE.yaml [--prompts heldout] ...
 
 Options take `--max_length` or `--max-length` alike; a bare `--json` means `--json true`.
@@ -23,8 +25,10 @@ from draftsmith import DraftsmithError
 from draftsmith.data.conversations import DataStatsConfig
 from draftsmith.data.regenerate import RegenerateConfig
 from draftsmith.eval.evaluate import EvalConfig
+from draftsmith.eval.tune import TuneConfig
 from draftsmith.export import ExportConfig
 from draftsmith.extract import ExtractConfig
+from draftsmith.labels import LabelsConfig
 from draftsmith.pipeline import RunConfig
 
 BARE_FLAGS = ("--json", "--trust_remote_code")
@@ -77,6 +81,41 @@ def extract(cfg: ExtractConfig) -> None:
         Console().print(summary_table(manifest, cfg.out))
 
 
+def labels(cfg: LabelsConfig) -> None:
+    """Run a trained drafter and its target over chats and label every drafted token for stop heads.
+
+    After every assistant position the drafter drafts K_MAX tokens as the runtime would; the rows
+    (drafter hidden state, top-k probabilities, entropy, tokens, both models' probabilities, soft and
+    hard acceptance labels) go into resumable shards that `draftsmith fit` reads (the specdec/disco recipes).
+    """
+    from rich.console import Console
+
+    from draftsmith.labels import labels as run_labels
+
+    manifest = run_labels(cfg)
+    by_depth = manifest["by_depth"]
+    Console().print(f"[bold]labelled[/] {manifest['num_chats']} chats, {manifest['num_rows']:,} drafted tokens in "
+                    f"{manifest['this_run']['seconds']} s; accepted by depth (greedy): "
+                    + " ".join(f"{x:.2f}" for x in by_depth["hard"]) + "; T = 1: "
+                    + " ".join(f"{x:.2f}" for x in by_depth["soft"]))
+
+
+def tune(cfg: TuneConfig) -> None:
+    """Choose a draft-length policy's settings on held-out prompts and write them into the drafter's export.
+
+    specdec and disco: the fastest (threshold, maximum length) of a grid by measured tokens/s;
+    confidence: transformers' ROC rule (minimum FPR + 3·FNR) on labelled drafts.
+    """
+    from rich.console import Console
+
+    from draftsmith.eval.tune import tune as run_tune
+
+    chosen = run_tune(cfg)
+    Console().print(f"[bold]tuned[/] {cfg.policy}: " + ", ".join(f"{k} {v}" for k, v in chosen.items()
+                                                                   if k in ("threshold", "max_k", "tokens_per_second", "cost"))
+                    + f" (written into {cfg.drafter})")
+
+
 def regenerate(cfg: RegenerateConfig) -> None:
     """Let the target answer the chats' user turns itself and write the chats to OUT (.jsonl).
 
@@ -109,7 +148,8 @@ def export(cfg: ExportConfig) -> None:
     from draftsmith.export import export as run_export
 
     result = run_export(cfg.checkpoint, cfg.format, cfg.out, cfg.speculative_tokens)
-    Console(soft_wrap=True).print(f"[bold]exported[/] {result['kind']} drafter ({result['checkpoint']}) as {result['format']}: "
+    what = "stop head" if result["kind"] in ("specdec", "disco") else "drafter"
+    Console(soft_wrap=True).print(f"[bold]exported[/] {result['kind']} {what} ({result['checkpoint']}) as {result['format']}: "
                     f"{', '.join(result['directories'])} (contract ok, reloaded logits within "
                     f"{result['max_logit_error']:.1e})")
 
@@ -150,8 +190,9 @@ def run(cfg: RunConfig) -> None:
 
 
 COMMANDS: dict[str, Any] = {"data": {"stats": (DataStatsConfig, data_stats)}, "regenerate": (RegenerateConfig, regenerate),
-                            "extract": (ExtractConfig, extract), "export": (ExportConfig, export),
-                            "eval": (EvalConfig, evaluate), "run": (RunConfig, run)}
+                            "extract": (ExtractConfig, extract), "labels": (LabelsConfig, labels),
+                            "export": (ExportConfig, export), "eval": (EvalConfig, evaluate),
+                            "tune": (TuneConfig, tune), "run": (RunConfig, run)}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 

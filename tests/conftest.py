@@ -106,3 +106,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subproce
     """Run `draftsmith ARGS` as a user would, in a fresh interpreter."""
     return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def killed_after_writes(n: int) -> str:
+    """A script running `draftsmith ARGS` that SIGKILLs itself once its n-th safetensors file is on disk
+    under its temporary name, not yet renamed: a crash at the worst moment of a resumable writer."""
+    import textwrap
+
+    return textwrap.dedent(f"""
+        import os, signal, sys
+        import safetensors.torch as st
+        real, calls = st.save_file, []
+        def save_then_die(tensors, path, metadata=None):
+            real(tensors, path, metadata=metadata)
+            calls.append(path)
+            if len(calls) == {n}:
+                os.kill(os.getpid(), signal.SIGKILL)
+        st.save_file = save_then_die
+        from draftsmith.cli import main
+        main(sys.argv[1:])
+    """)

@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.features import FeatureReader, read_manifest
 from draftsmith.extract import ExtractConfig, extract
 from draftsmith.models.target import load_target
-from tests.conftest import run_cli, save_tiny_target
+from tests.conftest import killed_after_writes, run_cli, save_tiny_target
 
 
 def cfg(target_dir, chats_file, out, **kw):
@@ -67,19 +66,7 @@ def test_rerun_resumes_and_mixing_is_refused(tiny_target_dir, chats_file, tmp_pa
         FeatureReader(out, layer_ids=[2])
 
 
-KILL_AFTER_TEMP_WRITE = textwrap.dedent("""
-    import os, signal, sys
-    import safetensors.torch as st
-    real, calls = st.save_file, []
-    def save_then_die(tensors, path, metadata=None):
-        real(tensors, path, metadata=metadata)
-        calls.append(path)
-        if len(calls) == 3:  # the 3rd shard is on disk under its temporary name, not yet renamed
-            os.kill(os.getpid(), signal.SIGKILL)
-    st.save_file = save_then_die
-    from draftsmith.cli import main
-    main(sys.argv[1:])
-""")
+KILL_AFTER_TEMP_WRITE = killed_after_writes(3)  # the 3rd shard is written, not yet renamed
 
 
 def test_sigkill_mid_extraction_then_rerun_matches_uninterrupted(tiny_target_dir, chats_file, tmp_path):

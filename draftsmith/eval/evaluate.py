@@ -23,10 +23,14 @@ class DecodeOptions:
         top_k: top-k filtering (applied to target and drafter alike).
         top_p: nucleus filtering (applied to target and drafter alike).
         policy: draft length: cost (draft a token only while it is expected to pay for its measured
-            cost), static, heuristic, confidence or oracle (a greedy bound: drafts until the first
-            token that differs from the target's own greedy text).
-        k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle).
+            cost), static, heuristic, confidence, specdec or disco (the stop heads the drafter's export
+            carries), or oracle (a greedy bound: drafts exactly the tokens the target will accept).
+        k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle, and
+            specdec/disco when --stop_threshold is given).
         threshold: the confidence policy's threshold, and BiLD's fallback threshold (--mode bild).
+        stop_threshold: specdec's h (stop once the predicted chance of a rejection exceeds it) or disco's
+            τ (draft while the classifier's confidence is at least it); omitted: the threshold and maximum
+            length tuned into the export (`draftsmith tune`).
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
@@ -58,6 +62,7 @@ class DecodeOptions:
     policy: str = "cost"
     k: int = 4
     threshold: float = 0.4
+    stop_threshold: float | None = None
     tree: str | None = None
     lookup: int = 0
     head_vocab: int = 8192
@@ -86,6 +91,8 @@ class DecodeOptions:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         if self.mode != "exact" and self.tree is not None:
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
+        if self.stop_threshold is not None and not 0 <= self.stop_threshold <= 1:
+            raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
             raise DraftsmithError(f"--alpha must be in [0, 1), got {self.alpha}")
         for alpha in self.alphas():
@@ -154,21 +161,46 @@ class EvalConfig(DecodeOptions):
     out: str = "runs/eval"
 
 
-def policy_factory(cfg: EvalConfig, references: dict[tuple[int, ...], list[int]] | None = None
-                   ) -> Callable[[list[int]], Any]:
+def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[list[int], dict]] | None = None,
+                   stop_head: tuple[Any, dict[str, Any]] | None = None) -> Callable[[list[int]], Any]:
     """A fresh draft-length policy per generation (given its prompt), as --policy, --k and --threshold
     ask; the cost-aware policies of one run share a meter, so later prompts start from what earlier ones
-    measured. The oracle reads `references`: each prompt's ids → prompt + the target's greedy continuation."""
-    from draftsmith.runtime.policies import CostMeter, make_policy
+    measured. The oracle reads `references`: each prompt's ids → (prompt + the target's greedy continuation,
+    the drafter's greedy chain after each of its prefixes). specdec and disco read `stop_head`: the head and
+    its export section (`models.loading.load_stop_head`)."""
+    from draftsmith.runtime.policies import HEAD_POLICIES, CostMeter, make_policy
 
     args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
             "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
+    if cfg.policy in HEAD_POLICIES:
+        if stop_head is None:
+            raise DraftsmithError(f"--policy {cfg.policy} needs the stop head of the drafter's export (evaluate loads it)")
+        head, section = stop_head
+        threshold, max_k = stop_settings(cfg, section)
+        args = {"head": head, "threshold": threshold, "max_k": max_k}
     make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
     if cfg.policy == "oracle":
         if references is None:
             raise DraftsmithError("the oracle policy needs the target's greedy continuations (evaluate computes them)")
-        return lambda prompt: make_policy("oracle", reference=references[tuple(prompt)], **args)
+        return lambda prompt: make_policy("oracle", reference=references[tuple(prompt)][0],
+                                          drafts=references[tuple(prompt)][1], **args)
     return lambda prompt: make_policy(cfg.policy, **args)
+
+
+def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
+    """(threshold, max_k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
+    wrote into the export for this kind of decoding (greedy or sampling), else the head's defaults."""
+    if cfg.stop_threshold is not None:
+        return cfg.stop_threshold, cfg.k
+    tuned = section.get("tuned", {})
+    mode = "greedy" if cfg.temperature == 0 else "sampling"
+    chosen = tuned.get(mode) or next(iter(tuned.values()), None)
+    if chosen is None:
+        return DEFAULT_STOP_THRESHOLD, cfg.k
+    return chosen["threshold"], chosen["max_k"]
+
+
+DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
 
 
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
@@ -179,10 +211,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.models.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
-    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.policies import HEAD_POLICIES, Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
@@ -208,11 +240,15 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
                          {"role": "user", "content": p["turns"][1]}]
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
-    references = None
-    if cfg.policy == "oracle":  # the bound knows the target's greedy text of every prompt in advance
-        references = {tuple(x): x + generate(runner, NoProposer(target.vocab_size), x, cfg.max_new_tokens, Static(0),
-                                             SamplingConfig(), eos_token_ids=eos).tokens for x in ids}
-    new_policy = policy_factory(cfg, references)
+    references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if cfg.policy == "oracle" else None
+    stop_head = None
+    if cfg.policy in HEAD_POLICIES:
+        if cfg.drafter is None:
+            raise DraftsmithError(f"--policy {cfg.policy} reads the stop head of a drafter's export: give --drafter")
+        stop_head = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
+        threshold, max_k = stop_settings(cfg, stop_head[1])
+        description += f", {cfg.policy} stop head (threshold {threshold:g}, at most {max_k})"
+    new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []
     load_before = _load_average()
@@ -251,6 +287,23 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
                       "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")
     return results
+
+
+def oracle_references(runner: Any, proposer: Any, ids: list[list[int]], max_new_tokens: int, k: int,
+                      eos: tuple[int, ...]) -> dict[tuple[int, ...], tuple[list[int], dict[int, list[int]]]]:
+    """What the oracle knows of every prompt in advance: the target's greedy text and the drafter's greedy
+    chain after each of its prefixes."""
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.policies import Static, oracle_drafts
+    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.sampling import SamplingConfig
+
+    out = {}
+    for x in ids:
+        reference = x + generate(runner, NoProposer(runner.head.weight.shape[0]), x, max_new_tokens, Static(0),
+                                 SamplingConfig(), eos_token_ids=eos).tokens
+        out[tuple(x)] = (reference, oracle_drafts(runner, proposer, reference, len(x), k))
+    return out
 
 
 def reference_chats(tokenizer: Any, prompts: list[dict[str, Any]], max_length: int = 1024) -> list[tuple[list[int], list[int]]]:

@@ -40,7 +40,8 @@ class ExportConfig:
     """Options of `draftsmith export`.
 
     Args:
-        checkpoint: a Lightning checkpoint, a DeepSpeed ZeRO checkpoint directory, or a run directory (its best checkpoint).
+        checkpoint: a Lightning checkpoint, a DeepSpeed ZeRO checkpoint directory, or a run directory (its best checkpoint);
+            a stop head's (specdec, disco) is added to its drafter's native export named by --out.
         format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
         out: the output directory.
         speculative_tokens: tokens per proposal written into the speculators config.
@@ -65,6 +66,10 @@ def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> d
     ExportConfig(ckpt_path, fmt, out, speculative_tokens)  # the settings' checks, stated once
     ckpt = load_checkpoint(ckpt_path)
     kind = ckpt["draftsmith"]["kind"]
+    if kind in ("specdec", "disco"):  # a stop head goes into its drafter's native export
+        from draftsmith.export.heads import export_stop_head
+
+        return export_stop_head(ckpt, fmt, out)
     if kind == "standalone" and fmt != "native":
         raise DraftsmithError("a standalone draft LM exports as `native` (an ordinary transformers model directory)")
     if fmt in ("eagle3", "speculators") and kind != "eagle3":

@@ -99,7 +99,11 @@ def module_from_checkpoint(ckpt: dict[str, Any]) -> Any:
     """Rebuild the trained LightningModule (target parts come back from the target itself)."""
     hp = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}  # LightningCLI adds _class_path
     kind = ckpt["draftsmith"]["kind"]
-    if kind == "standalone":
+    if kind in ("specdec", "disco"):
+        from draftsmith.train.heads import StopHeadModule
+
+        module = StopHeadModule(**hp)
+    elif kind == "standalone":
         from draftsmith.train.distill import DistillModule
 
         module = DistillModule(**hp)

@@ -105,3 +105,79 @@ def standalone_head_ids(path: Path, target: Any, head_vocab: int) -> torch.Tenso
     tok = target.tokenizer
     specials = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
     return draft_vocab(counts, head_vocab, always=specials)
+
+
+STOP_HEADS_FILE = "stop_heads.safetensors"  # the stop heads' weights, named `<kind>.<parameter>`
+STOP_HEADS = "stop_heads"  # the native config's section: policy → head config, identities, tuned settings
+
+
+def native_config_path(directory: str | Path) -> Path:
+    """The file holding a native export's draftsmith config: draftsmith.json (standalone) or config.json."""
+    directory = Path(directory)
+    standalone = directory / STANDALONE_FILE
+    if standalone.is_file():
+        return standalone
+    config = directory / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("format") == NATIVE_FORMAT:
+        return config
+    raise DraftsmithError(f"{directory} is not a native drafter export (`draftsmith export CKPT --format native --out DIR`)")
+
+
+def drafter_identity(proposer: Any, head_vocab: int) -> dict[str, Any]:
+    """What a stop head is tied to: the drafter's weights (a fingerprint), its module class and the
+    vocabulary it drafts from (a standalone drafter's ranked head changes its distributions)."""
+    from draftsmith.models.target import weights_fingerprint
+
+    module = getattr(proposer, "drafter", None) or proposer.model
+    return {"class": type(module).__name__, "weights_fingerprint": weights_fingerprint(module),
+            "draftable": None if proposer.draftable is None else len(proposer.draftable),
+            "head_vocab": head_vocab if getattr(proposer, "head_ids", None) is not None else 0}
+
+
+def stop_head_mismatch(section: dict[str, Any], target: Any, proposer: Any) -> list[str]:
+    """Why a stored stop head does not belong to this target and drafter (empty: it does)."""
+    diffs = [f"target {d}" for d in target.identity.differences(section["target"])]
+    mine = drafter_identity(proposer, section["drafter"]["head_vocab"])
+    diffs += [f"drafter {k}: {section['drafter'].get(k)!r} there, {v!r} here" for k, v in mine.items()
+              if section["drafter"].get(k) != v]
+    return diffs
+
+
+def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any) -> tuple[Any, dict[str, Any]]:
+    """(head module, its config section) of a native export; refused when trained for another drafter or target."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.heads import build_head
+
+    section = json.loads(native_config_path(directory).read_text()).get(STOP_HEADS, {}).get(kind)
+    if section is None or "head" not in section:
+        raise DraftsmithError(f"{directory} carries no {kind} stop head: train one (recipes/*/{kind}-*.yaml) and "
+                              f"`draftsmith export HEAD_RUN --format native --out {directory}`")
+    diffs = stop_head_mismatch(section, target, proposer)
+    if diffs:
+        raise DraftsmithError(f"the {kind} stop head in {directory} was trained for another drafter or target "
+                              f"({'; '.join(diffs)}); label and train it again for this pair")
+    head = build_head(kind, section["head"])
+    tensors = load_file(str(Path(directory) / STOP_HEADS_FILE))
+    head.load_state_dict({k[len(kind) + 1:]: v for k, v in tensors.items() if k.startswith(kind + ".")})
+    return head.to(target.device).eval(), section
+
+
+def update_stop_heads(directory: str | Path, kind: str, section: dict[str, Any],
+                      tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Write (or merge into) a native export's stop-head section for `kind`, and its weights when given."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.data.features import write_json_atomic
+
+    directory = Path(directory)
+    path = native_config_path(directory)
+    config = json.loads(path.read_text())
+    config.setdefault(STOP_HEADS, {})[kind] = section
+    if tensors is not None:
+        weights = directory / STOP_HEADS_FILE
+        kept = {k: v for k, v in load_file(str(weights)).items() if not k.startswith(kind + ".")} if weights.exists() else {}
+        tmp = weights.with_name(f".{weights.name}.tmp")
+        save_file({**kept, **{f"{kind}.{k}": v.detach().float().contiguous() for k, v in tensors.items()}}, str(tmp))
+        tmp.replace(weights)
+    write_json_atomic(path, config)

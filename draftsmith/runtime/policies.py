@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -134,13 +134,15 @@ class Fallback:
 class Oracle:
     """The oracle draft length, an upper bound for evaluation, not a policy a user can run.
 
-    It knows the target's own greedy continuation (`reference`: prompt + continuation) and drafts
-    until the first token that differs from it, at most max_k. It is charged for what it drafts,
-    kept tokens and that one rejected token, as every policy is: the bound assumes a perfect
-    stop decision after each drafted token, not foreknowledge of the next draft. Greedy only.
+    It knows the target's own greedy continuation (`reference`: prompt + continuation) and, after
+    every prefix reference[:t+1], the drafter's own greedy chain (`drafts`: t → tokens, see
+    `oracle_drafts`). It drafts exactly the tokens verification will accept, at most max_k: a
+    perfect stop decision made before each drafter step, so it is charged only for what it keeps
+    (its rounds reject nothing). Greedy only.
     """
 
     reference: Sequence[int] = ()
+    drafts: dict[int, list[int]] = field(default_factory=dict)
     max_k: int = 8
     name: str = "oracle"
 
@@ -148,15 +150,33 @@ class Oracle:
         return self.max_k
 
     def keep_going(self, step: DraftStep) -> bool:
-        if step.position >= self.max_k:
-            return False
-        if step.position == 0:
-            return True
-        at = step.committed + step.position - 1  # where the last drafted token sits in the sequence
-        return at < len(self.reference) and self.reference[at] == step.token
+        chain = self.drafts.get(step.committed - 1, ())
+        at = step.committed + step.position  # where the next drafted token would sit in the sequence
+        return (step.position < min(self.max_k, len(chain)) and at < len(self.reference)
+                and chain[step.position] == self.reference[at])
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
+
+
+def oracle_drafts(runner: Any, proposer: Any, reference: list[int], start: int, k: int) -> dict[int, list[int]]:
+    """The drafter's greedy chain of k tokens after every prefix reference[:t+1], t ≥ start − 1: what it
+    would draft in a round starting there (`Proposer.chains`, all prefixes at once). {} for no drafter."""
+    if not hasattr(proposer, "chains") or len(reference) - 1 <= start - 1:
+        return {}
+    anchors = list(range(max(start - 1, 1 if proposer.needs_features else 0), len(reference) - 1))
+    final = aux = None
+    if proposer.needs_features:  # the target's features of the reference are the drafter's anchors
+        runner.reset()
+        _, final, aux = runner.forward(reference, last_logits=True)
+    chosen: list[torch.Tensor] = []
+
+    def pick(d: int, q: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        chosen.append(q.argmax(-1))
+        return chosen[-1]
+
+    proposer.chains(reference, anchors, k, pick, final, aux)
+    return dict(zip(anchors, torch.stack(chosen, 1).tolist()))
 
 
 class CostMeter:
@@ -272,7 +292,65 @@ class CostAware:
         self.plain_streak = 0 if drafted else self.plain_streak + 1
 
 
-POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware}
+@dataclass
+class AcceptanceStop:
+    """SpecDec++: stop once the predicted chance that some drafted token is rejected exceeds `threshold`.
+
+    The acceptance head reads the drafter's hidden state that drafted token i and predicts a_i, its
+    chance of acceptance; after token j the chance that some token so far is rejected is
+    1 − Π_{i≤j} a_i. The first token is always drafted, at most max_k. A larger threshold, longer drafts.
+    """
+
+    head: Any
+    threshold: float = 0.5
+    max_k: int = 8
+    name: str = "specdec"
+    accepted: float = field(default=1.0, repr=False)  # Π a_i of this round's draft so far
+
+    def max_tokens(self) -> int:
+        return self.max_k
+
+    @torch.no_grad()
+    def keep_going(self, step: DraftStep) -> bool:
+        if step.position == 0:
+            self.accepted = 1.0
+            return self.max_k > 0
+        if step.position >= self.max_k:
+            return False
+        self.accepted *= float(torch.sigmoid(self.head(step.hidden)))
+        return 1 - self.accepted <= self.threshold
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class ClassifierStop:
+    """DISCO: keep drafting while the stop classifier's confidence in the last drafted token stays at or
+    above `threshold`, at most max_k (SL_max) tokens. The classifier reads the distribution the token was
+    drawn from (its top-k probabilities and entropy) and the token's position in the round."""
+
+    head: Any
+    threshold: float = 0.5
+    max_k: int = 8
+    name: str = "disco"
+
+    def max_tokens(self) -> int:
+        return self.max_k
+
+    @torch.no_grad()
+    def keep_going(self, step: DraftStep) -> bool:
+        if step.position == 0:
+            return self.max_k > 0
+        return step.position < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware,
+            "specdec": AcceptanceStop, "disco": ClassifierStop}
+HEAD_POLICIES = ("specdec", "disco")  # policies that read a stop head from the drafter's export
 
 
 def make_policy(name: str, **kwargs) -> Policy:

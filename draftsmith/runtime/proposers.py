@@ -10,7 +10,7 @@ Notation: K drafted tokens, V target vocab, H hidden, n newly committed anchors.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -59,10 +59,62 @@ def _empty(v: int) -> Draft:
 
 
 def _in_target_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """A distribution over the target ids `ids` (None: already the full vocabulary) as (V,), zero elsewhere."""
+    """Distributions (..., n) over the target ids `ids` (None: already the full vocabulary) as (..., V), zero elsewhere."""
     if ids is None:
         return probs
-    return torch.zeros(vocab_size, dtype=probs.dtype, device=probs.device).index_copy(0, ids, probs)
+    out = torch.zeros(*probs.shape[:-1], vocab_size, dtype=probs.dtype, device=probs.device)
+    return out.index_copy(probs.dim() - 1, ids, probs)
+
+
+# Chains drafted after every anchor of a known sequence at once (labels for stop heads):
+# pick(d, q_raw (n, V), hidden (n, H)) → the n tokens drafted at depth d, given the distributions they are
+# drawn from and the hidden states that produced them (what a policy's DraftStep holds at position d)
+Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def chain_mask(anchors: torch.Tensor, prefix: int, fed: int) -> torch.Tensor:
+    """Which keys the n chains' newest tokens see, (n, prefix + n·fed) bool, when `fed` tokens of every
+    chain follow a prefix block of `prefix` keys: chain a (anchored after prefix key anchors[a]) sees
+    prefix keys up to its anchor and its own tokens, which sit at prefix + n·(e−1) + a for e = 1..fed."""
+    n = len(anchors)
+    allowed = torch.zeros(n, prefix + n * fed, dtype=torch.bool, device=anchors.device)
+    allowed[:, :prefix] = torch.arange(prefix, device=anchors.device)[None] <= anchors[:, None]
+    rows = torch.arange(n, device=anchors.device)
+    for e in range(fed):
+        allowed[rows, prefix + n * e + rows] = True
+    return allowed
+
+
+def feed_chains(decoder: Any, cache: Any, tokens: torch.Tensor, anchors: torch.Tensor, prefix: int, fed: int,
+                gqa: bool = False) -> torch.Tensor:
+    """Feed token number `fed` of every chain (n,) to a transformers decoder whose `cache` holds the
+    prefix (`prefix` keys) and the chains' earlier tokens; returns its last hidden states (n, H)."""
+    device = anchors.device
+    allowed = chain_mask(anchors, prefix, fed)
+    dtype = next(decoder.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    with grouped_query_sdpa(gqa):
+        return decoder(input_ids=tokens[None].to(device), position_ids=(anchors + fed)[None], attention_mask=mask[None, None],
+                       use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[0]
+
+
+@torch.no_grad()
+def causal_lm_chains(decoder: Any, head: Callable[[torch.Tensor], torch.Tensor], ids: list[int], anchors: list[int],
+                     depth: int, pick: Pick, config: Any, gqa: bool = False) -> None:
+    """Draft `depth` tokens after every anchor t of `ids` (the sequence ids[:t+1]) through a transformers
+    decoder and its head, one forward per depth for all chains: the same distributions as depth
+    sequential drafting steps after each prefix. `head` maps hidden states to draft logits."""
+    from transformers import DynamicCache
+
+    device = next(decoder.parameters()).device
+    cache = DynamicCache(config=config)
+    at = torch.tensor(anchors, device=device)
+    hidden = decoder(input_ids=torch.tensor([ids], device=device), use_cache=True,
+                     **cache_kwargs(decoder, cache)).last_hidden_state[0, at]  # (n, H)
+    for d in range(1, depth + 1):
+        tokens = pick(d, torch.softmax(head(hidden).float(), dim=-1), hidden)
+        if d < depth:
+            hidden = feed_chains(decoder, cache, tokens, at, len(ids), d, gqa)
 
 
 class NoProposer:
@@ -134,6 +186,27 @@ class FeatureProposer:
             logits = torch.full((len(logits), self.vocab_size), float("-inf"), device=logits.device).index_copy(
                 1, self.to_target, logits)
         return torch.cat([torch.full((1, logits.shape[1]), float("nan"), device=logits.device), logits])
+
+    @torch.no_grad()
+    def chains(self, ids: list[int], anchors: list[int], depth: int, pick: Pick, final: torch.Tensor,
+               aux: torch.Tensor | None) -> None:
+        """Draft `depth` tokens after every anchor t ≥ 1 of `ids` at once, each chain exactly as `propose`
+        drafts after ids[:t+1] (its later tokens read the drafter's own hidden states), with the target's
+        features of `ids` (P, H) as the real anchors. `pick` chooses each depth's tokens. Resets the proposer."""
+        self.reset()
+        out = self.observe(ids[1:], final[:-1], aux[:-1] if aux is not None else None)[0]  # row r predicts ids[r+2]
+        at = torch.tensor(anchors, device=out.device)
+        if len(at) and int(at.min()) < 1:
+            raise ValueError("a feature drafter's chains start after at least one anchor (t >= 1)")
+        hidden, prefix = out[at - 1], self.anchors  # the state that drafts the token after ids[t]
+        for d in range(1, depth + 1):
+            tokens = pick(d, self._to_target(torch.softmax(self.drafter.logits(hidden[None])[0].float(), dim=-1)), hidden)
+            if d == depth:
+                break
+            mask = chain_mask(at - 1, prefix, d)[None, None]
+            with grouped_query_sdpa(self.gqa and len(at) > 1):
+                hidden = self.drafter(tokens[None].to(out.device), hidden[None], (at - 1 + d)[None], mask, self.cache)[0]
+        self.reset()
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
         return _in_target_vocab(probs, self.to_target, self.vocab_size)
@@ -268,6 +341,16 @@ class ModelProposer:
         if self.head_ids is not None:
             logits = torch.full_like(logits, float("-inf")).index_copy(1, self.head_ids, logits[:, self.head_ids])
         return logits
+
+    @torch.no_grad()
+    def chains(self, ids: list[int], anchors: list[int], depth: int, pick: Pick, final: Any = None,
+               aux: Any = None) -> None:
+        """Draft `depth` tokens after every anchor t of `ids` at once, each chain exactly as `propose`
+        drafts after ids[:t+1]; `pick` chooses each depth's tokens. Resets the proposer."""
+        self.reset()
+        head = self.head if self.head is not None else self.model.get_output_embeddings()
+        causal_lm_chains(self.model.get_decoder(), lambda h: head(h), ids, anchors, depth,
+                         lambda d, q, h: pick(d, self._to_target(q), h), self.model.config)
 
     @torch.no_grad()
     def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,

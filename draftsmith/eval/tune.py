@@ -1,0 +1,172 @@
+"""`draftsmith tune`: choose a draft-length policy's settings on held-out prompts and write them into the export.
+
+- specdec, disco: every (threshold, maximum length) of a grid decodes the held-out prompts (the
+  validation split of the drafter's training chats, never a benchmark's), and the fastest by measured
+  tokens/s is written into the stop head's section of the drafter's export (`tuned.greedy` or
+  `tuned.sampling`), where `draftsmith eval --policy specdec|disco` finds it.
+- confidence: transformers' rule for its assisted generation's confidence threshold: on the drafted
+  tokens of the labels' validation chats (score: the drafter's top probability; positive: the target
+  accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve. No decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith import DraftsmithError
+from draftsmith.data.conversations import VAL_FRACTION
+
+GRIDS = {"specdec": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9], "disco": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]}
+ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
+
+
+@dataclass(kw_only=True)
+class TuneConfig:
+    """Options of `draftsmith tune`.
+
+    Args:
+        target: the target model.
+        drafter: the drafter's native export; specdec and disco read (and get) their stop head there.
+        policy: specdec, disco, or confidence (transformers' ROC rule on --labels, no decoding).
+        thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.9 by 0.1.
+        max_ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco.
+        labels: the label directory (confidence: its validation chats give the ROC curve).
+        val_fraction: the labels' validation share (as the head recipe's data.val_fraction).
+        data: the chats whose validation split gives the held-out prompts (the drafter's training data).
+        data_val_fraction: that data's validation share (as the drafter recipe's data.val_fraction).
+        data_limit: the number of conversations the drafter's training split was drawn from.
+        limit: held-out prompts decoded per setting.
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`).
+        head_vocab: a standalone drafter's ranked head, as for eval.
+        dtype: target and drafter dtype.
+        device: cpu or cuda.
+        repeats: timed passes per setting (median); the settings alternate within a pass.
+        seed: sampling seed.
+    """
+
+    target: str
+    drafter: str
+    policy: str = "specdec"
+    thresholds: list[float] | None = None
+    max_ks: list[int] | None = None
+    labels: str | None = None
+    val_fraction: float = 0.1
+    data: str = "sharegpt"
+    data_val_fraction: float = VAL_FRACTION
+    data_limit: int | None = None
+    limit: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    head_vocab: int = 8192
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    repeats: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("specdec", "disco", "confidence"):
+            raise DraftsmithError(f"--policy must be specdec, disco or confidence, got {self.policy!r}")
+        if self.policy == "confidence" and self.labels is None:
+            raise DraftsmithError("--policy confidence tunes on labelled drafts: give --labels (`draftsmith labels`)")
+        if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.max_ks or []):
+            raise DraftsmithError("--thresholds must lie in [0, 1] and --max_ks be >= 1")
+        if self.repeats < 1 or self.limit < 1:
+            raise DraftsmithError("--repeats and --limit must be >= 1")
+
+    def grid(self) -> list[tuple[float, int]]:
+        """(threshold, maximum length) pairs tried."""
+        thresholds = self.thresholds or GRIDS.get(self.policy, [])
+        max_ks = self.max_ks or ([8] if self.policy == "specdec" else [4, 6, 8])
+        return [(t, k) for k in max_ks for t in thresholds]
+
+
+def roc_threshold(scores: Any, accepted: Any, fnr_cost: float = ROC_FNR_COST) -> tuple[float, dict[str, float]]:
+    """transformers' confidence threshold: the ROC point minimizing FPR + fnr_cost·FNR (positives: accepted)."""
+    import torch
+    from torchmetrics.functional.classification import binary_roc
+
+    fpr, tpr, thresholds = binary_roc(scores.float(), accepted.long())
+    cost = fpr + fnr_cost * (1 - tpr)
+    i = int(cost.argmin())
+    return float(thresholds[i].clamp(0, 1)), {"fpr": float(fpr[i]), "fnr": float(1 - tpr[i]), "cost": float(cost[i]),
+                                              "rows": len(scores), "accepted": float(torch.as_tensor(accepted).float().mean())}
+
+
+def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
+    """Tune cfg.policy for cfg.drafter and write the result into its export; returns what was written."""
+    from draftsmith.models.loading import update_stop_heads
+
+    if cfg.policy == "confidence":
+        import torch
+
+        from draftsmith.data.conversations import split_of
+        from draftsmith.labels import read_labels
+
+        _, rows, ids, chat_of = read_labels(cfg.labels)
+        val = torch.tensor([split_of(i, cfg.val_fraction) == "val" for i in ids], dtype=torch.bool)[chat_of]
+        threshold, at = roc_threshold(rows["top_probs"][val, 0], rows["hard"][val])
+        chosen = {"threshold": threshold, "rule": f"ROC: minimum FPR + {ROC_FNR_COST:g}·FNR", **at, "labels": cfg.labels}
+        update_stop_heads(cfg.drafter, "confidence", {"tuned": {"greedy": chosen}})
+        return chosen
+    return _tune_by_speed(cfg, console)
+
+
+def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from draftsmith.eval.acceptance import acceptance_stats, decode_all
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path, update_stop_heads
+    from draftsmith.models.target import load_target
+    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.policies import make_policy
+    from draftsmith.runtime.sampling import SamplingConfig
+
+    console = console or Console(stderr=True)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
+    head, section = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
+    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.data_val_fraction, cfg.data_limit)
+    ids = [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
+    sampling = SamplingConfig(cfg.temperature)
+    eos = target.eos_token_ids
+
+    grid = cfg.grid()
+
+    def policy_for(point: tuple[float, int]):
+        return lambda prompt: make_policy(cfg.policy, head=head, threshold=point[0], max_k=point[1])
+
+    decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed)  # warm-up
+    rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}
+    taus: dict[tuple[float, int], float] = {}
+    with Progress(TextColumn("[bold]tune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task(cfg.policy, total=len(grid) * cfg.repeats)
+        for r in range(cfg.repeats):
+            for point in grid:
+                results = decode_all(runner, proposer, ids, cfg.max_new_tokens, policy_for(point), sampling, eos,
+                                     cfg.seed + r)
+                rates[point].append(sum(len(x.tokens) for x in results) / sum(x.seconds for x in results))
+                taus[point] = acceptance_stats(results)["tau"]
+                progress.advance(task)
+    speed = {p: statistics.median(v) for p, v in rates.items()}
+    best = max(grid, key=lambda p: speed[p])
+    mode = "greedy" if cfg.temperature == 0 else "sampling"
+    chosen = {"threshold": best[0], "max_k": best[1], "tokens_per_second": round(speed[best], 2),
+              "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
+                       for t, k in grid],
+              "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
+                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": cfg.dtype,
+              "threads": torch.get_num_threads()}
+    current = json.loads(native_config_path(cfg.drafter).read_text())[STOP_HEADS][cfg.policy]
+    current.setdefault("tuned", {})[mode] = chosen
+    update_stop_heads(cfg.drafter, cfg.policy, current)
+    return chosen

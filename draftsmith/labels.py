@@ -1,0 +1,303 @@
+"""`draftsmith labels`: what a stop head learns from, by running a trained drafter and its target.
+
+For every assistant position t of a chat (the sequence ids[:t+1], the next token an assistant
+token) the drafter drafts a chain of `k_max` tokens, exactly as the runtime drafts a round after
+that sequence (`Proposer.chains`: all positions of a chat at once, one drafter forward per depth;
+a feature drafter's later tokens read its own hidden states), and the target scores every chain in
+one forward per depth under a mask that lets each chain see only its prefix and itself. A row per
+(position, depth j) records what a policy would see before deciding on token j + 1 and what
+verification made of token j:
+
+    hidden (N, H)       the drafter state that produced token j's distribution (DraftStep.hidden)
+    top_probs (N, k)    that distribution's largest probabilities; entropy (N,) in nats
+    token_greedy, token_sampled (N,)   its argmax and a token sampled from it at T = 1
+    q_greedy, q_sampled, p_greedy, p_sampled (N,)   drafter and target probabilities of them
+    target_argmax (N,)  the target's greedy token after the same prefix
+    soft (N,)           min(1, p/q) of the sampled token: its chance of acceptance at T = 1
+    hard (N,)           the greedy token equals the target's argmax (accepted when greedy)
+    reached (N,)        every earlier token of this chain was the target's argmax
+    anchor, depth (N,)  t and j; offsets (R+1,) the rows of each chat
+
+Each chain continues with the greedy token (`--chain greedy`, what greedy decoding drafts) or the
+sampled one (`--chain sample`). Shards are written atomically under fixed parts of the chats, with
+run.json naming the drafter and the target; a rerun resumes after the finished shards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draftsmith import DraftsmithError
+
+if TYPE_CHECKING:
+    import torch
+
+LABELS_FORMAT = "draftsmith-labels/1"
+CHAINS = ("greedy", "sample")
+ROW_FIELDS = ("anchor", "depth", "hidden", "top_probs", "entropy", "token_greedy", "token_sampled", "q_greedy",
+              "q_sampled", "p_greedy", "p_sampled", "target_argmax", "soft", "hard", "reached")
+
+
+@dataclass
+class LabelsConfig:
+    """Options of `draftsmith labels`.
+
+    Args:
+        target: the target model, as for extract.
+        drafter: the drafter's native export (`draftsmith export --format native`).
+        data: chats to label, best the target's own answers (`draftsmith regenerate` output).
+        out: the label directory.
+        k_max: tokens drafted after every position: the longest draft a head will judge.
+        top_k: drafter probabilities kept per drafted token (a DISCO classifier reads up to this many).
+        chain: greedy (each chain continues with the drafter's argmax, as greedy decoding drafts) or sample
+            (with the token sampled at T = 1).
+        head_vocab: a standalone drafter's ranked head, as for eval: labels and decoding must use the same.
+        max_positions: label at most this many positions per chat (spread evenly); all when omitted.
+        limit: use only the first LIMIT kept conversations.
+        max_length: tokens per chat; longer chats are truncated.
+        shard_size: conversations per shard (the unit of resumption).
+        dtype: target and drafter compute dtype.
+        hidden_dtype: dtype of the stored hidden states.
+        device: cpu, cuda, ...
+        seed: seed of the sampled tokens (each chat's own stream, so shards do not depend on the order).
+    """
+
+    target: str
+    drafter: str
+    data: str
+    out: str
+    k_max: int = 8
+    top_k: int = 16
+    chain: str = "greedy"
+    head_vocab: int = 8192
+    max_positions: int | None = None
+    limit: int | None = None
+    max_length: int = 1024
+    shard_size: int = 16
+    dtype: str = "bfloat16"
+    hidden_dtype: str = "bfloat16"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("k_max", "top_k", "max_length", "shard_size"):
+            if getattr(self, name) < 1:
+                raise DraftsmithError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.chain not in CHAINS:
+            raise DraftsmithError(f"--chain must be one of {CHAINS}, got {self.chain!r}")
+        if self.max_positions is not None and self.max_positions < 1:
+            raise DraftsmithError(f"--max_positions must be at least 1, got {self.max_positions}")
+        if self.hidden_dtype not in ("bfloat16", "float16", "float32"):
+            raise DraftsmithError(f"--hidden_dtype must be bfloat16, float16 or float32, got {self.hidden_dtype!r}")
+
+
+def label_positions(loss_mask: list[int], first: int, max_positions: int | None) -> list[int]:
+    """Positions t whose next token is an assistant token (t ≥ first), at most `max_positions`, evenly spread."""
+    positions = [t for t in range(max(first, 0), len(loss_mask) - 1) if loss_mask[t + 1]]
+    if max_positions is not None and len(positions) > max_positions:
+        step = len(positions) / max_positions
+        positions = [positions[int(i * step)] for i in range(max_positions)]
+    return positions
+
+
+def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int], k_max: int, top_k: int,
+               chain: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The rows of one chat (n positions × k_max depths, position-major): see the module docstring."""
+    import torch
+
+    from draftsmith.models.heads import distribution_summary
+    from draftsmith.runtime.proposers import feed_chains
+
+    n = len(positions)
+    runner.reset()
+    logits, final, aux = runner.forward(ids)  # (P, V): the target's prefix, its cache kept for the chains
+    at = torch.tensor(positions, device=logits.device)
+    per_depth: list[dict[str, torch.Tensor]] = []
+
+    def pick(d: int, q: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        top, entropy = distribution_summary(q, top_k)
+        greedy = q.argmax(-1)
+        sampled = torch.multinomial(q.float().cpu(), 1, generator=generator)[:, 0].to(q.device)
+        per_depth.append({"hidden": hidden.detach().float().cpu(), "top_probs": top.cpu(), "entropy": entropy.cpu(),
+                          "token_greedy": greedy.cpu(), "token_sampled": sampled.cpu(),
+                          "q_greedy": q.gather(-1, greedy[:, None])[:, 0].cpu(),
+                          "q_sampled": q.gather(-1, sampled[:, None])[:, 0].cpu()})
+        return greedy if chain == "greedy" else sampled
+
+    proposer.chains(ids, positions, k_max, pick, final, aux)
+    hidden = None
+    for d in range(1, k_max + 1):
+        if d == 1:
+            p = torch.softmax(logits[at].float(), -1)
+        else:  # the chains' token d−1 after each prefix, fed to the target
+            chained = per_depth[d - 2]["token_greedy" if chain == "greedy" else "token_sampled"]
+            hidden = feed_chains(runner.decoder, runner.cache, chained.to(at.device), at, len(ids), d - 1, runner.gqa)
+            p = torch.softmax(runner.head(hidden).float(), -1)
+        row = per_depth[d - 1]
+        g, s = row["token_greedy"].to(p.device), row["token_sampled"].to(p.device)
+        row["p_greedy"] = p.gather(-1, g[:, None])[:, 0].cpu()
+        row["p_sampled"] = p.gather(-1, s[:, None])[:, 0].cpu()
+        row["target_argmax"] = p.argmax(-1).cpu()
+        row["soft"] = torch.clamp(row["p_sampled"] / row["q_sampled"].clamp_min(1e-30), max=1.0)
+        row["hard"] = (row["token_greedy"] == row["target_argmax"]).to(torch.uint8)
+        chained = row["token_greedy" if chain == "greedy" else "token_sampled"]
+        right = (chained == row["target_argmax"]).to(torch.uint8)
+        row["reached"] = torch.ones(n, dtype=torch.uint8) if d == 1 else per_depth[d - 2]["reached"] * per_depth[d - 2]["_right"]
+        row["_right"] = right
+    stacked = {k: torch.stack([row[k] for row in per_depth], 1) for k in per_depth[0] if not k.startswith("_")}  # (n, K, ...)
+    out = {k: v.reshape(n * k_max, *v.shape[2:]) for k, v in stacked.items()}
+    out["anchor"] = torch.tensor(positions, dtype=torch.int32).repeat_interleave(k_max)
+    out["depth"] = torch.arange(1, k_max + 1, dtype=torch.uint8).repeat(n)
+    return out
+
+
+def shard_name(part: int) -> str:
+    return f"labels-{part:06d}.safetensors"
+
+
+def write_label_shard(out: Path, part: int, chats: list[tuple[str, dict[str, torch.Tensor]]], meta: dict[str, Any],
+                      hidden_dtype: torch.dtype) -> None:
+    """One shard, written under a temporary name and renamed when whole."""
+    import torch
+
+    from safetensors.torch import save_file
+
+    rows = [r for _, r in chats]
+    counts = [len(r["depth"]) for r in rows]
+    tensors = {"offsets": torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)}
+    types = {"hidden": hidden_dtype, "top_probs": torch.float32, "entropy": torch.float32, "anchor": torch.int32,
+             "depth": torch.uint8, "token_greedy": torch.int32, "token_sampled": torch.int32, "target_argmax": torch.int32,
+             "hard": torch.uint8, "reached": torch.uint8}
+    for name in ROW_FIELDS:
+        dtype = types.get(name, torch.float32)
+        tensors[name] = torch.cat([r[name].to(dtype) for r in rows]).contiguous() if rows else torch.zeros(0, dtype=dtype)
+    meta = {**meta, "part": part, "ids": [i for i, _ in chats], "num_rows": sum(counts)}
+    final = out / shard_name(part)
+    tmp = out / f".{final.name}.tmp.{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta)})
+    os.replace(tmp, final)
+
+
+def read_labels(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str], torch.Tensor]:
+    """(run description, rows {field: (N, ...)}, chat ids, chat of each row (N,)) of a finished label directory."""
+    import torch
+
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.exists():
+        what = "labelling has not finished: rerun `draftsmith labels` with the same options" if (directory / "run.json").exists() \
+            else "no labels here: make them with `draftsmith labels`"
+        raise DraftsmithError(f"{directory}: {what}")
+    manifest = json.loads(manifest_path.read_text())
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_FIELDS}
+    ids: list[str] = []
+    chat_of: list[torch.Tensor] = []
+    for name in manifest["shards"]:
+        with safe_open(str(directory / name), framework="pt") as f:
+            meta = json.loads(f.metadata()["draftsmith"])
+            offsets = f.get_tensor("offsets")
+            for k in ROW_FIELDS:
+                parts[k].append(f.get_tensor(k))
+        chat_of.append(torch.repeat_interleave(torch.arange(len(ids), len(ids) + len(meta["ids"])), offsets.diff()))
+        ids += meta["ids"]
+    rows = {k: torch.cat(v) for k, v in parts.items()}
+    return manifest["run"], rows, ids, torch.cat(chat_of) if chat_of else torch.zeros(0, dtype=torch.long)
+
+
+def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
+    """Label every chat of cfg.data into cfg.out, resuming after finished shards; returns the manifest."""
+    import torch
+
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from draftsmith.data.chat import MaskAudit, tokenize_many
+    from draftsmith.data.conversations import load_conversations
+    from draftsmith.data.features import claim_directory, write_json_atomic
+    from draftsmith.models.loading import drafter_identity, load_proposer
+    from draftsmith.models.target import load_target
+    from draftsmith.runtime.generate import TargetRunner
+
+    console = console or Console(stderr=True)
+    out = Path(cfg.out)
+    convs, _ = load_conversations(cfg.data, limit=cfg.limit)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
+    if type(proposer).__name__ == "NoProposer":
+        raise DraftsmithError("--drafter: labels need a drafter export")
+    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    run = {"format": LABELS_FORMAT, "target": target.identity.as_dict(),
+           "drafter": drafter_identity(proposer, cfg.head_vocab), "drafter_path": cfg.drafter,
+           "drafter_description": description,
+           "hidden_size": None, "k_max": cfg.k_max, "top_k": cfg.top_k, "chain": cfg.chain,
+           "max_positions": cfg.max_positions, "data": {"source": cfg.data, "limit": cfg.limit},
+           "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": cfg.dtype,
+           "hidden_dtype": cfg.hidden_dtype, "seed": cfg.seed}
+    hidden_module = getattr(proposer, "drafter", None)
+    run["hidden_size"] = (hidden_module.fc.weight.shape[0] if hidden_module is not None
+                          else proposer.model.config.hidden_size)
+    claim_directory(out, run)
+    num_parts = math.ceil(len(convs) / cfg.shard_size)
+    for stale in out.glob(".labels-*.tmp.*"):
+        stale.unlink(missing_ok=True)
+    todo = [p for p in range(num_parts) if not (out / shard_name(p)).exists()]
+    first = 1 if proposer.needs_features else 0  # a feature drafter's chain needs one anchor before it
+    started, rows_done = time.perf_counter(), 0
+    with Progress(TextColumn("[bold]labels[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("conversations"),
+                  TextColumn("{task.fields[rate]} rows/s"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("labels", total=sum(min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in todo),
+                                 rate="-")
+        for p in todo:
+            part = convs[p * cfg.shard_size: (p + 1) * cfg.shard_size]
+            skipped, truncated, audit = Counter(), Counter(), MaskAudit()
+            chats = tokenize_many(target.tokenizer, part, cfg.max_length, skipped, truncated, audit)
+            progress.update(task, advance=len(part) - len(chats))
+            done = []
+            for chat in chats:
+                positions = label_positions(chat.loss_mask, first, cfg.max_positions)
+                if positions:
+                    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(chat.id.encode()))
+                    done.append((chat.id, label_chat(runner, proposer, chat.input_ids, positions, cfg.k_max, cfg.top_k,
+                                                     cfg.chain, g)))
+                    rows_done += len(positions) * cfg.k_max
+                rate = rows_done / max(time.perf_counter() - started, 1e-9)
+                progress.update(task, advance=1, rate=f"{rate:,.0f}")
+            write_label_shard(out, p, done, {"skipped": dict(skipped), "truncated": dict(truncated)},
+                              getattr(torch, cfg.hidden_dtype))
+    manifest = label_manifest(out, num_parts, run)
+    manifest["this_run"] = {"seconds": round(time.perf_counter() - started, 1), "shards_written": len(todo)}
+    write_json_atomic(out / "manifest.json", manifest)
+    return manifest
+
+
+def label_manifest(out: Path, num_parts: int, run: dict[str, Any]) -> dict[str, Any]:
+    """Totals over the shards, with the labelled acceptance by depth (a drafter's α_j on this data)."""
+    import torch
+
+    from safetensors import safe_open
+
+    chats, hard, soft, reached, total = 0, None, None, None, None
+    for p in range(num_parts):
+        with safe_open(str(out / shard_name(p)), framework="pt") as f:
+            chats += len(json.loads(f.metadata()["draftsmith"])["ids"])
+            depth = f.get_tensor("depth").long() - 1
+            k = run["k_max"]
+            add = lambda x: torch.zeros(k, dtype=torch.float64).index_add_(0, depth, x.double())  # noqa: E731
+            h, s, r, n = add(f.get_tensor("hard")), add(f.get_tensor("soft")), add(f.get_tensor("reached")), add(torch.ones(len(depth)))
+            hard, soft, reached, total = (h, s, r, n) if hard is None else (hard + h, soft + s, reached + r, total + n)
+    n = total.clamp_min(1)
+    return {"run": run, "shards": [shard_name(p) for p in range(num_parts)], "num_chats": chats,
+            "num_rows": int(total.sum()) if total is not None else 0,
+            "by_depth": {"rows": total.long().tolist(), "hard": (hard / n).tolist(), "soft": (soft / n).tolist(),
+                         "reached": (reached / n).tolist()}}

@@ -1,0 +1,114 @@
+"""Stop heads: small models that tell the runtime when a draft should stop growing.
+
+- `AcceptanceHead` (SpecDec++, Huang et al. 2024): the probability that a drafted token is
+  accepted, from the drafter's hidden state that drafted it. n residual blocks x + SiLU(Wx + b),
+  each with its own weights, and a linear output. The policy stops once the predicted chance
+  that some drafted token is rejected, 1 − Π a_i, exceeds its threshold h.
+- `StopClassifier` (DISCO, Mamou et al. 2024): a 2-layer FFN on the drafter's distribution
+  (its top-k probabilities, its entropy) and the token's position in the round; the policy keeps
+  drafting while its confidence C_i stays at or above τ.
+
+Both return logits (sigmoid → probability); both read only the draft, so decoding with them stays
+lossless. Notation: H drafter hidden, V vocab, k top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftsmith import DraftsmithError
+
+HEAD_KINDS = ("specdec", "disco")
+
+
+@dataclass
+class AcceptanceHeadConfig:
+    """hidden_size: the drafter's hidden size; num_layers: residual blocks before the output."""
+
+    hidden_size: int
+    num_layers: int = 3
+
+
+@dataclass
+class StopClassifierConfig:
+    """top_k: drafter probabilities read (largest first); width: the FFN's hidden width."""
+
+    top_k: int = 10
+    width: int = 64
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class AcceptanceHead(nn.Module):
+    """SpecDec++'s acceptance head: (..., H) drafter hidden → (...,) logit of P(accepted)."""
+
+    kind = "specdec"
+
+    def __init__(self, config: AcceptanceHeadConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.out = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(hidden.to(self.out.weight.dtype)))[..., 0]
+
+
+def disco_features(top: torch.Tensor, entropy: torch.Tensor, position: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DISCO's input: (..., top_k) largest probabilities, (...,) entropy in nats, (...,) position in
+    the round (1 = the round's first drafted token) → (..., top_k + 2)."""
+    if top.shape[-1] < top_k:
+        raise DraftsmithError(f"the stop classifier reads {top_k} probabilities; the labels hold {top.shape[-1]}")
+    return torch.cat([top[..., :top_k].float(), entropy[..., None].float(), position[..., None].float()], -1)
+
+
+def distribution_summary(q_raw: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k largest probabilities (..., top_k), entropy in nats (...,)) of distributions (..., V)."""
+    q = q_raw.float()
+    entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)  # 0 · log 0 = 0
+    return q.topk(min(top_k, q.shape[-1]), dim=-1).values, entropy
+
+
+class StopClassifier(nn.Module):
+    """DISCO's stop classifier: (..., top_k + 2) features → (...,) logit of P(the drafted token is right)."""
+
+    kind = "disco"
+
+    def __init__(self, config: StopClassifierConfig):
+        super().__init__()
+        self.config = config
+        self.net = nn.Sequential(nn.Linear(config.top_k + 2, config.width), nn.ReLU(), nn.Linear(config.width, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.to(self.net[0].weight.dtype))[..., 0]
+
+    def confidence(self, q_raw: torch.Tensor, position: int) -> float:
+        """C_i for the token drawn from q_raw (V,) at position i of the round."""
+        top, entropy = distribution_summary(q_raw, self.config.top_k)
+        x = disco_features(top, entropy, torch.tensor(float(position)), self.config.top_k)
+        return float(torch.sigmoid(self(x)))
+
+
+def build_head(kind: str, config: dict[str, Any]) -> nn.Module:
+    """A head of `kind` from its config dict (as exports and checkpoints store it)."""
+    if kind == "specdec":
+        return AcceptanceHead(AcceptanceHeadConfig(**config))
+    if kind == "disco":
+        return StopClassifier(StopClassifierConfig(**config))
+    raise DraftsmithError(f"unknown stop head {kind!r}; choose one of {HEAD_KINDS}")
+
+
+def head_config(head: nn.Module) -> dict[str, Any]:
+    return asdict(head.config)

@@ -1,0 +1,176 @@
+"""Stop heads as draft-length policies (SpecDec++, DISCO) and the labels they learn from: the labels are
+what step-by-step decoding sees, the policies decide as their formulas say, decoding stays lossless."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.labels import label_chat
+from draftsmith.models.heads import AcceptanceHead, AcceptanceHeadConfig, StopClassifier, StopClassifierConfig
+from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.policies import AcceptanceStop, ClassifierStop, Confidence, DraftStep, Static
+from draftsmith.runtime.proposers import ModelProposer
+from draftsmith.runtime.sampling import SamplingConfig
+from tests.conftest import make_llama
+from tests.runtime.conftest import V, greedy_cases
+from tests.runtime.test_generate import exact_law, proposers
+
+
+class Recorder(Static):
+    """Static(K) that keeps the DraftStep of every decision."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.steps = []
+
+    def keep_going(self, step):
+        self.steps.append(step)
+        return super().keep_going(step)
+
+
+def hidden_size(proposer):
+    return proposer.drafter.fc.weight.shape[0] if hasattr(proposer, "drafter") else proposer.model.config.hidden_size
+
+
+def step_by_step(target, proposer, ids, t, k):
+    """Decode one round after ids[:t+1] as the runtime does; returns the draft, q_raw (k, V), the policy's
+    hidden states for positions 1..k−1 and the target's distributions of the draft's tokens (k, V)."""
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    runner.reset()
+    proposer.reset()
+    sequence = ids[: t + 1]
+    if proposer.needs_features:  # as after a prefill of ids[:t] whose next token was ids[t]
+        _, final, aux = runner.forward(ids[:t])
+        proposer.observe(ids[1: t + 1], final, aux)
+    policy = Recorder(k)
+    draft, _, q_raw = proposer.propose(sequence, policy, k, SamplingConfig(), None)
+    with torch.no_grad():
+        logits = target(torch.tensor([sequence + draft])).logits[0, t:]
+    hidden = {s.position: s.hidden for s in policy.steps if s.position >= 1}
+    return draft, q_raw, hidden, torch.softmax(logits[:k].float(), -1)
+
+
+@pytest.mark.parametrize("kind", ["standalone", "self-ranked", "eagle", "eagle3", "self"])
+def test_labels_equal_a_step_by_step_decoding_simulation(target, kind):
+    proposer = proposers(target)[kind]
+    ids = torch.randint(4, V, (18,), generator=torch.Generator().manual_seed(5)).tolist()
+    positions, k = [3, 7, 8, 12, 16], 4
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    rows = label_chat(runner, proposer, ids, positions, k, 5, "greedy", torch.Generator().manual_seed(0))
+    assert len(rows["depth"]) == len(positions) * k
+    for i, t in enumerate(positions):
+        draft, q, hidden, p = step_by_step(target, proposer, ids, t, k)
+        at = slice(i * k, (i + 1) * k)
+        assert rows["anchor"][at].tolist() == [t] * k and rows["depth"][at].tolist() == [1, 2, 3, 4]
+        assert rows["token_greedy"][at].tolist() == draft  # the greedy chain is the runtime's draft
+        torch.testing.assert_close(rows["top_probs"][at], q.topk(5, -1).values, atol=1e-5, rtol=1e-4)
+        entropy = -(q * q.clamp_min(1e-30).log()).sum(-1)
+        torch.testing.assert_close(rows["entropy"][at], entropy, atol=1e-5, rtol=1e-4)
+        for j in range(1, k):  # what the policy saw when deciding after token j
+            torch.testing.assert_close(rows["hidden"][i * k + j - 1], hidden[j].float(), atol=1e-5, rtol=1e-4)
+        d = torch.tensor(draft)
+        s = rows["token_sampled"][at].long()
+        rng = torch.arange(k)
+        torch.testing.assert_close(rows["p_greedy"][at], p[rng, d], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(rows["q_sampled"][at], q[rng, s], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(rows["soft"][at], torch.clamp(p[rng, s] / q[rng, s], max=1), atol=1e-5, rtol=1e-4)
+        assert rows["target_argmax"][at].tolist() == p.argmax(-1).tolist()
+        assert rows["hard"][at].tolist() == (d == p.argmax(-1)).long().tolist()
+        right = (d == p.argmax(-1)).long()
+        assert rows["reached"][at].tolist() == [1] + torch.cumprod(right, 0)[:-1].tolist()
+    if kind == "self":  # the target drafting for itself: every token is accepted
+        assert rows["hard"].all() and torch.allclose(rows["soft"], torch.ones(len(rows["soft"])))
+
+
+def constant_acceptance_head(size, a):
+    head = AcceptanceHead(AcceptanceHeadConfig(size, num_layers=2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.out.bias.fill_(math.log(a / (1 - a)))
+    return head
+
+
+def top1_classifier(top_k, cut, sharpness=200.0):
+    """A stop classifier whose confidence is sigmoid(sharpness·(top-1 probability − cut))."""
+    head = StopClassifier(StopClassifierConfig(top_k=top_k, width=4))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.net[0].weight[0, 0] = 1.0  # ReLU(top-1) ...
+        head.net[2].weight[0, 0] = sharpness  # ... scaled, minus the cut
+        head.net[2].bias.fill_(-sharpness * cut)
+    return head
+
+
+def test_a_hand_set_acceptance_head_stops_where_its_formula_says(target):
+    """a = 0.8 everywhere, h = 0.5: 1 − 0.8^j first exceeds 0.5 at j = 4, so every round drafts 4 tokens."""
+    proposer = proposers(target)["standalone"]
+    runner = TargetRunner(target)
+    policy = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.5, max_k=8)
+    out = generate(runner, proposer, [1, 2, 3], 40, policy)
+    assert {r.drafted for r in out.rounds[:-2]} == {4}
+    assert [policy.keep_going(DraftStep(j, 5, torch.ones(V) / V, torch.zeros(16))) for j in range(6)] == \
+        [True, True, True, True, False, False]
+    assert out.rounds[-1].drafted <= 4  # cut by the room left
+    longer = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.7, max_k=8)  # 1 − 0.8^6 = 0.74 > 0.7
+    assert {r.drafted for r in generate(runner, proposer, [1, 2, 3], 40, longer).rounds[:-2]} == {6}
+
+
+def test_a_hand_set_stop_classifier_stops_where_its_formula_says(target):
+    """A classifier that reads only the top-1 probability (C ≥ 0.5 iff top-1 ≥ cut) makes the confidence
+    policy's decisions at that cut, round by round."""
+    proposer = proposers(target)["standalone"]
+    runner = TargetRunner(target)
+    for cut in (0.05, 0.08, 0.12):
+        disco = generate(runner, proposer, [1, 2, 3], 40, ClassifierStop(top1_classifier(4, cut), 0.5, max_k=6))
+        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, max_k=6))
+        assert [r.drafted for r in disco.rounds] == [r.drafted for r in confidence.rounds]
+    drafted = {r.drafted for r in disco.rounds}
+    assert len(drafted) > 1  # the decisions vary, so the comparison tests something
+
+
+@pytest.mark.parametrize("kind", ["standalone", "eagle", "eagle3"])
+def test_greedy_output_is_the_targets_own_with_head_policies(target, kind):
+    proposer = proposers(target)[kind]
+    torch.manual_seed(7)
+    size = hidden_size(proposer)
+    specdec = AcceptanceHead(AcceptanceHeadConfig(size))
+    disco = StopClassifier(StopClassifierConfig(top_k=5))
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    for prompt, expected in greedy_cases(target):
+        for policy in (AcceptanceStop(specdec, 0.6, 5), ClassifierStop(disco, 0.45, 5)):
+            out = generate(runner, proposer, prompt, 24, policy)
+            assert out.tokens == expected, (kind, policy.name)
+
+
+@pytest.mark.parametrize("policy_name", ["specdec", "disco"])
+def test_sampling_with_a_head_policy_is_lossless(policy_name):
+    """χ² of 2000 sampled 3-token continuations against the target's exact law, the draft length decided by
+    a stop head whose decisions vary from token to token."""
+    tv, length, n = 4, 3, 2000
+    target = make_llama(tv, seed=3, hidden=16, layers=1)
+    draft = make_llama(tv, seed=4, hidden=16, layers=1)
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = [1, 2]
+    law = exact_law(target, prompt, length, cfg)
+    torch.manual_seed(11)
+    if policy_name == "specdec":
+        head = AcceptanceHead(AcceptanceHeadConfig(16, 1))
+        with torch.no_grad():
+            head.out.weight.mul_(20)  # a spread of predicted acceptances
+        make = lambda: AcceptanceStop(head, 0.5, 3)  # noqa: E731
+    else:
+        make = lambda: ClassifierStop(top1_classifier(3, 0.45, sharpness=50), 0.5, 3)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    runner = TargetRunner(target)
+    proposer = ModelProposer(draft, tv)
+    outs = [generate(runner, proposer, prompt, length, make(), cfg, generator=g) for _ in range(n)]
+    assert len({r.drafted for o in outs for r in o.rounds}) > 1, "the head never changed the draft length"
+    counts = Counter(tuple(o.tokens) for o in outs)
+    cells = [s for s in law if law[s] > 0]
+    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
+    df = len(cells) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
