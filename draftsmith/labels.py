@@ -51,7 +51,7 @@ class LabelsConfig:
 
     Args:
         target: the target model, as for extract.
-        drafter: the drafter's native export (`draftsmith export --format native`).
+        drafter: the drafter's native export directory.
         data: chats to label, best the target's own answers (`draftsmith regenerate` output).
         out: the label directory.
         k_max: tokens drafted after every position: the longest draft a head will judge.
@@ -132,7 +132,7 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
         return greedy if chain == "greedy" else sampled
 
     proposer.chains(ids, positions, k_max, pick, final, aux)
-    hidden = None
+    reached = torch.ones(n, dtype=torch.bool)  # every earlier token of the chain was the target's argmax
     for d in range(1, k_max + 1):
         if d == 1:
             p = torch.softmax(logits[at].float(), -1)
@@ -147,11 +147,9 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
         row["target_argmax"] = p.argmax(-1).cpu()
         row["soft"] = torch.clamp(row["p_sampled"] / row["q_sampled"].clamp_min(1e-30), max=1.0)
         row["hard"] = (row["token_greedy"] == row["target_argmax"]).to(torch.uint8)
-        chained = row["token_greedy" if chain == "greedy" else "token_sampled"]
-        right = (chained == row["target_argmax"]).to(torch.uint8)
-        row["reached"] = torch.ones(n, dtype=torch.uint8) if d == 1 else per_depth[d - 2]["reached"] * per_depth[d - 2]["_right"]
-        row["_right"] = right
-    stacked = {k: torch.stack([row[k] for row in per_depth], 1) for k in per_depth[0] if not k.startswith("_")}  # (n, K, ...)
+        row["reached"] = reached.to(torch.uint8)
+        reached = reached & (row["token_greedy" if chain == "greedy" else "token_sampled"] == row["target_argmax"])
+    stacked = {k: torch.stack([row[k] for row in per_depth], 1) for k in per_depth[0]}  # (n, K, ...)
     out = {k: v.reshape(n * k_max, *v.shape[2:]) for k, v in stacked.items()}
     out["anchor"] = torch.tensor(positions, dtype=torch.int32).repeat_interleave(k_max)
     out["depth"] = torch.arange(1, k_max + 1, dtype=torch.uint8).repeat(n)

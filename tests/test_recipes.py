@@ -12,7 +12,9 @@ RECIPES = sorted(Path(__file__).parents[1].glob("recipes/*/*.yaml"))
 def test_there_are_recipes_for_every_scale():
     names = {p.relative_to(p.parents[1]).as_posix() for p in RECIPES}
     assert {"smollm2-135m/eagle-cpu.yaml", "smollm2-135m/hass-cpu.yaml", "smollm2-135m/eagle3-cpu.yaml",
-            "smollm2-135m/standalone-cpu.yaml", "smollm2-135m/hass-cpu-full.yaml"} <= names
+            "smollm2-135m/standalone-cpu.yaml", "smollm2-135m/hass-cpu-full.yaml",
+            "smollm2-135m/specdec-standalone-cpu.yaml", "smollm2-135m/disco-standalone-cpu.yaml",
+            "smollm2-135m/specdec-hass-cpu.yaml", "smollm2-135m/disco-hass-cpu.yaml"} <= names
     strategies = {str(yaml.safe_load(p.read_text())["trainer"].get("strategy", "auto")) for p in RECIPES}
     assert any("FSDP" in s for s in strategies) and any("'stage': 2" in s for s in strategies)
     assert any("'stage': 3" in s for s in strategies) and "ddp" in strategies
@@ -50,7 +52,9 @@ def test_recipe_instantiates(path, tmp_path):
     assert cli.trainer.logger.save_dir == str(tmp_path)  # --trainer.default_root_dir moves logs and checkpoints
     if any(cb["class_path"].endswith("ModelCheckpoint") for cb in raw["trainer"].get("callbacks", [])):
         ckpt = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint")
-        assert ckpt.monitor == "val/tau" and ckpt.mode == "max"
+        # drafters keep the best simulated acceptance length; stop heads the lowest validation loss
+        heads = raw["model"]["class_path"].endswith("StopHeadModule")
+        assert (ckpt.monitor, ckpt.mode) == (("val/loss", "min") if heads else ("val/tau", "max"))
     strategy = build_strategy(raw["trainer"].get("strategy", "auto"))
     spec = raw["trainer"].get("strategy")
     if isinstance(spec, dict) and "FSDP" in spec["class_path"]:

@@ -11,7 +11,7 @@ from draftsmith.models.common import cache_kwargs
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import Confidence, CostAware, Heuristic, Oracle, Static
+from draftsmith.runtime.policies import Confidence, CostAware, Heuristic, Oracle, Static, oracle_drafts
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions
 from tests.conftest import make_llama
@@ -188,23 +188,25 @@ def test_a_ranked_head_refuses_a_model_whose_logits_are_not_a_plain_head(target)
         ModelProposer(scaled, V, head_ids=torch.arange(10))
 
 
-@pytest.mark.parametrize("kind", ["standalone", "eagle"])  # on this tiny target: always right, always wrong
-def test_oracle_drafts_until_the_first_mismatch_with_the_target_greedy_text(target, kind):
-    """Knowing the target's greedy continuation, the oracle keeps every token Static(K) would keep and
-    stops drafting right after the first token the target rejects."""
+@pytest.mark.parametrize("kind", ["standalone", "eagle", "eagle3", "self-ranked"])
+def test_the_oracle_drafts_exactly_what_the_target_accepts(target, kind):
+    """Knowing the target's greedy text and the drafter's greedy chain after each of its prefixes, the oracle
+    keeps every token Static(K) keeps, round by round, and drafts nothing the target rejects: it is charged
+    only for what it keeps."""
     prompt = [1, 2, 3]
     plain = generate(TargetRunner(target), NoProposer(V), prompt, 20, Static(0))
     drafter = proposers(target)[kind]
     runner = TargetRunner(target, drafter.aux_layer_ids)
+    reference = prompt + plain.tokens
     static = generate(runner, drafter, prompt, 20, Static(4))
-    oracle = generate(runner, drafter, prompt, 20, Oracle(prompt + plain.tokens, max_k=4))
+    oracle = generate(runner, drafter, prompt, 20, Oracle(reference, oracle_drafts(runner, drafter, reference, 3, 4), 4))
     assert oracle.tokens == static.tokens == plain.tokens
     assert [r.accepted for r in oracle.rounds] == [r.accepted for r in static.rounds]
-    # every round stops right after its first rejected token, or keeps all it drafted (cut by K or the room left)
-    assert all(r.drafted in (r.accepted, r.accepted + 1) and r.drafted <= 4 for r in oracle.rounds)
-    if kind == "eagle":  # rejected at once: one drafted token a round (0 once no room is left), static pays four
-        assert {r.drafted for r in oracle.rounds} == {0, 1} and sum(r.drafted for r in static.rounds) > 3 * len(static.rounds)
-    else:
-        assert [r.drafted for r in oracle.rounds] == [r.drafted for r in static.rounds]
+    assert all(r.drafted == r.accepted for r in oracle.rounds)
+    rejected = sum(r.drafted - r.accepted for r in static.rounds)
+    if kind == "standalone":  # always right on this tiny target: the oracle drafts what static drafts
+        assert rejected == 0 and [r.drafted for r in oracle.rounds] == [r.drafted for r in static.rounds]
+    else:  # static pays for rejected tokens; the oracle never does
+        assert rejected > 0
 
 

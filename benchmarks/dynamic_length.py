@@ -1,0 +1,248 @@
+"""Dynamic draft length against the best static K: SpecDec++ and DISCO stop heads, the cost policy,
+transformers' confidence rules and the oracle bound, through the shared runtime.
+
+One process, the same prompts for every arm, the arms alternating prompt by prompt, chain drafts:
+- static K for K = 1..8 (the best K is chosen on held-out prompts, the validation split of the
+  drafter's training chats, never on the benchmark's prompts), the +2/-1 heuristic, confidence 0.4
+  (transformers' default) and at its ROC-tuned threshold (the export's `stop_heads.confidence`,
+  `draftsmith tune --policy confidence`), the cost policy, specdec and disco (the stop heads and the
+  thresholds tuned into the export), and the oracle (greedy only: drafts exactly the tokens the target
+  will accept, charged only for what it keeps);
+- per prompt set (MT-bench first turns, HumanEval) and temperature: τ, drafted-but-rejected tokens per
+  committed token, target forwards per token, tokens/s, speedup over autoregressive decoding (timed in
+  the same passes), and ratio_<arm> = that arm's tokens/s ÷ the best static K's.
+
+Plots: speedup by policy (dynamic_length.png) and, with --labels, each head's calibration on the
+labels' validation chats (calibration.png).
+
+    python benchmarks/dynamic_length.py --drafter DIR [--labels LABELS] [--limit 16] [--max-new-tokens 128]
+
+DIR is a native export carrying tuned specdec and disco heads. Ends with
+`RESULT ratio_specdec=... ratio_disco=... ratio_cost=... ratio_oracle=...` (greedy, MT-bench; `_t1`
+for T = 1, `_humaneval` for HumanEval; --suffix _feature for a feature drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STATIC = [f"static{k}" for k in range(1, 9)]
+ARMS = ["heuristic", "confidence", "confidence_roc", "cost", "specdec", "disco", "oracle"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True, help="native export carrying tuned specdec and disco heads")
+    ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--labels", default=None, help="label directory: calibration plot of each head on its validation chats")
+    ap.add_argument("--data", default="sharegpt", help="the drafter's training chats (their validation split picks K)")
+    ap.add_argument("--data-limit", type=int, default=None, help="the drafter recipe's data.limit")
+    ap.add_argument("--sets", nargs="+", default=["mtbench", "humaneval"])
+    ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts (spread over categories)")
+    ap.add_argument("--humaneval-limit", type=int, default=8, help="HumanEval prompts")
+    ap.add_argument("--val-limit", type=int, default=8, help="held-out prompts that choose the best static K")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--t1-sets", nargs="+", default=["mtbench"], help="prompt sets also run at T > 0")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--head-vocab", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--suffix", default="", help="appended to every RESULT key, e.g. _feature")
+    ap.add_argument("--out", default=str(ROOT / "runs/bench/dynamic_length"))
+    args = ap.parse_args()
+
+    from draftsmith.eval.acceptance import acceptance_stats, decode_all
+    from draftsmith.eval.evaluate import oracle_references
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path
+    from draftsmith.models.target import load_target
+    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.policies import CostMeter, make_policy
+    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.sampling import SamplingConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(args.target, dtype=args.dtype)
+    proposer, description = load_proposer(args.drafter, target, args.head_vocab)
+    heads = {kind: load_stop_head(args.drafter, kind, target, proposer) for kind in ("specdec", "disco")}
+    section = json.loads(native_config_path(args.drafter).read_text()).get(STOP_HEADS, {})
+    roc = section.get("confidence", {}).get("tuned", {}).get("greedy", {}).get("threshold")
+    if roc is None:
+        raise SystemExit(f"{args.drafter} has no ROC-tuned confidence threshold: draftsmith tune --policy confidence --labels ...")
+    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    plain = NoProposer(target.vocab_size)
+    eos = target.eos_token_ids
+
+    def encode(prompts):
+        return [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
+
+    def tuned(kind: str, mode: str) -> tuple[float, int]:
+        chosen = heads[kind][1].get("tuned", {})
+        chosen = chosen.get(mode) or next(iter(chosen.values()), None)
+        if chosen is None:
+            raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
+        return chosen["threshold"], chosen["max_k"]
+
+    def factories(mode: str, references) -> dict:
+        """arm → (proposer, prompt → fresh policy)."""
+        meter = CostMeter()
+        h, hk = tuned("specdec", mode)
+        tau, sl = tuned("disco", mode)
+        arms = {"autoregressive": (plain, lambda p: make_policy("static", k=0))}
+        for k in range(1, 9):
+            arms[f"static{k}"] = (proposer, lambda p, k=k: make_policy("static", k=k))
+        arms.update({
+            "heuristic": (proposer, lambda p: make_policy("heuristic", k=5)),
+            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, max_k=8)),
+            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, max_k=8)),
+            "cost": (proposer, lambda p: make_policy("cost", max_k=8, meter=meter)),
+            "specdec": (proposer, lambda p: make_policy("specdec", head=heads["specdec"][0], threshold=h, max_k=hk)),
+            "disco": (proposer, lambda p: make_policy("disco", head=heads["disco"][0], threshold=tau, max_k=sl)),
+        })
+        if references is not None:
+            arms["oracle"] = (proposer, lambda p: make_policy("oracle", reference=references[tuple(p)][0],
+                                                                 drafts=references[tuple(p)][1], max_k=8))
+        return arms
+
+    def run_arms(arms: dict, ids, sampling) -> dict:
+        """Every arm on every prompt, the arms alternating prompt by prompt (a drift in the machine's speed
+        falls on all of them alike), `repeats` passes after a warm-up; per-arm figures."""
+        for name, (prop, make) in arms.items():
+            decode_all(runner, prop, ids[:1], 8, make, sampling, eos, 0)
+        results = {name: [[] for _ in range(args.repeats)] for name in arms}
+        for r in range(args.repeats):
+            for i, x in enumerate(ids):
+                for name, (prop, make) in arms.items():
+                    results[name][r] += decode_all(runner, prop, [x], args.max_new_tokens, make, sampling, eos, 1000 * r + i)
+            print(f"  pass {r + 1}: " + ", ".join(f"{n} {rate(v[r]):.2f}" for n, v in results.items()), flush=True)
+        figures = {}
+        for name, passes in results.items():
+            stats = acceptance_stats(passes[0])
+            committed = max(stats.get("tokens", 0) - len(ids), 1)  # tokens after each prefill's first
+            figures[name] = {"tokens_per_second": statistics.median(rate(p) for p in passes), "tau": stats["tau"],
+                             "rejected_per_token": stats.get("drafted_rejected", 0) / committed,
+                             "target_forwards_per_token": stats.get("target_forwards_per_token", 1.0),
+                             "mean_drafted": stats.get("drafted", 0) / max(stats["rounds"], 1)}
+        ar = figures["autoregressive"]["tokens_per_second"]
+        for f in figures.values():
+            f["speedup"] = f["tokens_per_second"] / ar
+        return figures
+
+    report, keys = {"drafter": description, "head_settings": {}}, {}
+    for temperature in args.temperatures:
+        sampling = SamplingConfig(temperature)
+        mode = "greedy" if temperature == 0 else "sampling"
+        tag = "" if temperature == 0 else f"_t{temperature:g}"
+        report["head_settings"][mode] = {"specdec": tuned("specdec", mode), "disco": tuned("disco", mode), "confidence_roc": roc}
+        val_ids = encode(load_prompts("heldout", args.val_limit, "first", args.data, data_limit=args.data_limit))
+        print(f"T={temperature:g}: choosing the best static K on {len(val_ids)} held-out prompts", flush=True)
+        static_arms = {k: v for k, v in factories(mode, None).items() if k in STATIC or k == "autoregressive"}
+        val = run_arms(static_arms, val_ids, sampling)
+        best = max(STATIC, key=lambda k: val[k]["tokens_per_second"])
+        report[f"validation{tag}"] = {"figures": val, "best_static": best}
+        print(f"  best static: {best}", flush=True)
+        for name in args.sets if temperature == 0 else args.t1_sets:
+            ids = encode(load_prompts(name, args.humaneval_limit if name == "humaneval" else args.limit))
+            print(f"T={temperature:g} {name}: {len(ids)} prompts x {args.max_new_tokens} tokens", flush=True)
+            references = oracle_references(runner, proposer, ids, args.max_new_tokens, 8, eos) if temperature == 0 else None
+            figures = run_arms(factories(mode, references), ids, sampling)
+            base = figures[best]["tokens_per_second"]
+            for f in figures.values():
+                f["ratio_to_best_static"] = f["tokens_per_second"] / base
+            report[f"{name}{tag}"] = {"figures": figures, "best_static": best}
+            set_tag = "" if name == "mtbench" else f"_{name}"
+            for arm in ("specdec", "disco", "cost", "oracle"):
+                if arm in figures:
+                    keys[f"ratio_{arm}{tag}{set_tag}{args.suffix}"] = round(figures[arm]["ratio_to_best_static"], 3)
+            keys[f"best_static{tag}{set_tag}{args.suffix}"] = best
+            print_table(name, temperature, figures, best)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    speedup_plot(report, out / "dynamic_length.png")
+    if args.labels:
+        calibration_plot(args.labels, heads, out / "calibration.png")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in keys.items()))
+
+
+def rate(results) -> float:
+    return sum(len(x.tokens) for x in results) / sum(x.seconds for x in results)
+
+
+def print_table(name: str, temperature: float, figures: dict, best: str) -> None:
+    print(f"{name} T={temperature:g} (best static: {best})")
+    print(f"  {'arm':<15}{'tok/s':>8}{'speedup':>9}{'ratio':>7}{'tau':>7}{'rej/tok':>9}{'fwd/tok':>9}{'drafted':>9}")
+    for arm, f in figures.items():
+        print(f"  {arm:<15}{f['tokens_per_second']:>8.2f}{f['speedup']:>9.3f}{f.get('ratio_to_best_static', 0):>7.3f}"
+              f"{f['tau']:>7.2f}{f['rejected_per_token']:>9.3f}{f['target_forwards_per_token']:>9.3f}{f['mean_drafted']:>9.2f}")
+
+
+def speedup_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k, v in report.items() if isinstance(v, dict) and "figures" in v and not k.startswith("validation")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        figures, best = report[panel]["figures"], report[panel]["best_static"]
+        arms = [a for a in figures if a != "autoregressive"]
+        colors = ["tab:gray" if a.startswith("static") and a != best else "tab:blue" if a == best else "tab:orange"
+                  for a in arms]
+        ax.bar(arms, [figures[a]["speedup"] for a in arms], color=colors)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"{panel}: speedup over autoregressive (blue: best static K)")
+        ax.tick_params(axis="x", rotation=70)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def calibration_plot(labels: str, heads: dict, path: Path) -> None:
+    """Reliability diagram of each head on the labels' validation chats (10 equal-width bins)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from draftsmith.data.conversations import split_of
+    from draftsmith.labels import read_labels
+    from draftsmith.models.heads import disco_features
+
+    _, rows, ids, chat_of = read_labels(labels)
+    val = torch.tensor([split_of(i, 0.1) == "val" for i in ids], dtype=torch.bool)[chat_of]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="black", lw=0.8)
+    for kind, (head, section) in heads.items():
+        with torch.no_grad():
+            if kind == "specdec":
+                x = rows["hidden"][val].float()
+            else:
+                x = disco_features(rows["top_probs"][val], rows["entropy"][val], rows["depth"][val].float(),
+                                   head.config.top_k)
+            prob = torch.sigmoid(head.float()(x))
+        label = rows[section.get("label", "soft")][val].float()
+        bins = torch.clamp((prob * 10).long(), max=9)
+        xs, ys = [], []
+        for b in range(10):
+            sel = bins == b
+            if sel.sum() >= 20:
+                xs.append(float(prob[sel].mean()))
+                ys.append(float(label[sel].mean()))
+        ax.plot(xs, ys, marker="o", label=f"{kind} ({section.get('label')} label)")
+    ax.set_xlabel("predicted acceptance")
+    ax.set_ylabel("observed acceptance")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
