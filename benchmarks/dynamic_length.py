@@ -60,7 +60,7 @@ def main() -> None:
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.evaluate import oracle_references
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path
+    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path, tuned_settings
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import CostMeter, make_policy
@@ -84,11 +84,10 @@ def main() -> None:
         return [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
 
     def tuned(kind: str, mode: str) -> tuple[float, int]:
-        chosen = heads[kind][1].get("tuned", {})
-        chosen = chosen.get(mode) or next(iter(chosen.values()), None)
+        chosen = tuned_settings(heads[kind][1], mode == "greedy")
         if chosen is None:
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
-        return chosen["threshold"], chosen["max_k"]
+        return chosen
 
     def factories(mode: str, references) -> dict:
         """arm → (proposer, prompt → fresh policy)."""

@@ -235,16 +235,15 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     if type(proposer).__name__ == "NoProposer":
         raise DraftsmithError("--drafter: labels need a drafter export")
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    feature_drafter = getattr(proposer, "drafter", None)
+    hidden_size = feature_drafter.fc.weight.shape[0] if feature_drafter is not None else proposer.model.config.hidden_size
     run = {"format": LABELS_FORMAT, "target": target.identity.as_dict(),
            "drafter": drafter_identity(proposer, cfg.head_vocab), "drafter_path": cfg.drafter,
            "drafter_description": description,
-           "hidden_size": None, "k_max": cfg.k_max, "top_k": cfg.top_k, "chain": cfg.chain,
+           "hidden_size": hidden_size, "k_max": cfg.k_max, "top_k": cfg.top_k, "chain": cfg.chain,
            "max_positions": cfg.max_positions, "data": {"source": cfg.data, "limit": cfg.limit},
            "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": cfg.dtype,
            "hidden_dtype": cfg.hidden_dtype, "seed": cfg.seed}
-    hidden_module = getattr(proposer, "drafter", None)
-    run["hidden_size"] = (hidden_module.fc.weight.shape[0] if hidden_module is not None
-                          else proposer.model.config.hidden_size)
     claim_directory(out, run)
     num_parts = math.ceil(len(convs) / cfg.shard_size)
     for stale in out.glob(".labels-*.tmp.*"):

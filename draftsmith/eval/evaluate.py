@@ -190,14 +190,11 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
 def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
     """(threshold, max_k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
     wrote into the export for this kind of decoding (greedy or sampling), else the head's defaults."""
+    from draftsmith.models.loading import tuned_settings
+
     if cfg.stop_threshold is not None:
         return cfg.stop_threshold, cfg.k
-    tuned = section.get("tuned", {})
-    mode = "greedy" if cfg.temperature == 0 else "sampling"
-    chosen = tuned.get(mode) or next(iter(tuned.values()), None)
-    if chosen is None:
-        return DEFAULT_STOP_THRESHOLD, cfg.k
-    return chosen["threshold"], chosen["max_k"]
+    return tuned_settings(section, cfg.temperature == 0) or (DEFAULT_STOP_THRESHOLD, cfg.k)
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head

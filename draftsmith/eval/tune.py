@@ -115,15 +115,13 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
 
 
 def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
-    import json
-
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path, update_stop_heads
+    from draftsmith.models.loading import load_proposer, load_stop_head, update_stop_heads
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import make_policy
@@ -166,7 +164,6 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
                           "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": cfg.dtype,
               "threads": torch.get_num_threads()}
-    current = json.loads(native_config_path(cfg.drafter).read_text())[STOP_HEADS][cfg.policy]
-    current.setdefault("tuned", {})[mode] = chosen
-    update_stop_heads(cfg.drafter, cfg.policy, current)
+    section.setdefault("tuned", {})[mode] = chosen
+    update_stop_heads(cfg.drafter, cfg.policy, section)
     return chosen

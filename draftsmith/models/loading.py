@@ -163,6 +163,14 @@ def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any)
     return head.to(target.device).eval(), section
 
 
+def tuned_settings(section: dict[str, Any], greedy: bool) -> tuple[float, int] | None:
+    """(threshold, max_k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
+    (the other kind's when only that was tuned), or None when it was never tuned."""
+    tuned = section.get("tuned", {})
+    chosen = tuned.get("greedy" if greedy else "sampling") or next(iter(tuned.values()), None)
+    return None if chosen is None else (chosen["threshold"], chosen["max_k"])
+
+
 def update_stop_heads(directory: str | Path, kind: str, section: dict[str, Any],
                       tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write (or merge into) a native export's stop-head section for `kind`, and its weights when given."""
