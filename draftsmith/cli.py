@@ -147,7 +147,7 @@ def export(cfg: ExportConfig) -> None:
 
     from draftsmith.export import export as run_export
 
-    result = run_export(cfg.checkpoint, cfg.format, cfg.out, cfg.speculative_tokens)
+    result = run_export(cfg.checkpoint, cfg.format, cfg.out, cfg.speculative_tokens, cfg.verifier)
     what = "stop head" if result["kind"] in ("specdec", "disco") else "drafter"
     Console(soft_wrap=True).print(f"[bold]exported[/] {result['kind']} {what} ({result['checkpoint']}) as {result['format']}: "
                     f"{', '.join(result['directories'])} (contract ok, reloaded logits within "

@@ -68,12 +68,26 @@ def test_eagle3_and_speculators_formats(eagle3_ckpt, tmp_path):
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].sum() == 40
     target_ids = torch.arange(40) + tensors["d2t"]
     assert torch.equal(torch.nonzero(tensors["t2d"]).flatten(), target_ids)
+    assert vllm["draftsmith"]["provenance"]["global_step"] == 2 and vllm["draftsmith"]["kind"] == "eagle3"
     export(str(eagle3_ckpt), "speculators", str(tmp_path / "spec"), speculative_tokens=4)
     spec = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert spec["architectures"] == ["Eagle3Speculator"] and spec["speculators_model_type"] == "eagle3"
     assert spec["speculators_config"]["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 4}
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
-    assert (tmp_path / "spec" / "model.safetensors").is_file()
+    # the verifier resolves outside draftsmith (a model directory with its tokenizer), and the
+    # embedding is written: the speculators package would leave a missing one at zero
+    verifier = Path(spec["speculators_config"]["verifier"]["name_or_path"])
+    assert verifier.is_absolute() and (verifier / "config.json").is_file() and (verifier / "tokenizer.json").is_file()
+    assert spec["draftsmith"]["provenance"]["checkpoint"] == str(Path(eagle3_ckpt).resolve())
+    spec_tensors = load_file(tmp_path / "spec" / "model.safetensors")
+    target = load_target(str(verifier))
+    assert torch.equal(spec_tensors["embed_tokens.weight"], target.embed_tokens.weight.float())
+    with pytest.raises(DraftsmithError, match="--verifier .* is not the drafter's target"):
+        from tests.conftest import save_tiny_target
+        export(str(eagle3_ckpt), "speculators", str(tmp_path / "x"), verifier=str(save_tiny_target(tmp_path / "o", hidden=48)))
+    export(str(eagle3_ckpt), "speculators", str(tmp_path / "hub"), verifier="org/served-target")
+    hub = json.loads((tmp_path / "hub" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert hub == "org/served-target"
     with pytest.raises(DraftsmithError, match="--format eagle is for .* this is an EAGLE-3 drafter: use --format eagle3"):
         export(str(eagle3_ckpt), "eagle", str(tmp_path / "x"))
 
@@ -167,6 +181,18 @@ def test_a_run_directory_exports_the_checkpoint_lightning_recorded_as_best(tiny_
     assert float(record["best_model_score"]) == pytest.approx(max(float(r["val/loss"]) for r in rows))
     exported = export(str(tmp_path / "run"), "native", str(tmp_path / "n"))
     assert exported["checkpoint"] == str(best)
+    # every format says where it came from: two exports of one run's checkpoints are told apart
+    export(str(tmp_path / "run" / "ckpt" / "last.ckpt"), "eagle", str(tmp_path / "e"))
+    best_prov = json.loads((tmp_path / "n" / "config.json").read_text())["provenance"]
+    last_prov = json.loads((tmp_path / "e" / "vllm" / "config.json").read_text())["draftsmith"]["provenance"]
+    best_row = next(r for r in rows if float(r["val/loss"]) == pytest.approx(best_prov["score"]))
+    assert best_prov["checkpoint"] == str(best.resolve()) and best_prov["monitor"] == "val/loss"
+    assert best_prov["global_step"] == int(best_row["step"]) + 1 
+    # (Lightning copies last.ckpt whenever it saves a top-k checkpoint: here the newest best-* file)
+    assert last_prov["checkpoint"].endswith("last.ckpt") and last_prov["global_step"] == int(by_time.stem.split("=")[1])
+    assert last_prov["global_step"] != best_prov["global_step"]
+    last_row = next(r for r in rows if int(r["step"]) + 1 == last_prov["global_step"])
+    assert last_prov["score"] == pytest.approx(float(last_row["val/loss"]))
 
 
 DEEPSPEED_ZERO = """
@@ -229,3 +255,21 @@ def test_eval_loads_nothing_from_training_or_export_writers(eagle3_ckpt, tiny_fe
                           str(tmp_path / "eval")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loaded: []" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_an_embedded_targets_verifier_is_its_dequantized_directory():
+    """The speculators config must name a target vLLM and the speculators package can load: for the
+    embedded GGUF target, the dequantized copy, a model directory with config, weights and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from draftsmith.export.speculators import verifier_path
+
+    identity = load_target("embedded:smollm2-135m-instruct").identity.as_dict()
+    path = Path(verifier_path(identity, None))
+    assert path.is_absolute() and (path / "model.safetensors").is_file()
+    assert AutoConfig.from_pretrained(path).hidden_size == identity["hidden_size"]
+    assert AutoTokenizer.from_pretrained(path).chat_template
+    with pytest.raises(DraftsmithError, match="LoRA adapter"):
+        verifier_path({**identity, "adapter": "some/lora"}, None)
+

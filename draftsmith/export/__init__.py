@@ -26,7 +26,7 @@ FORMATS = ("native", "eagle", "eagle3", "speculators")
 
 
 def writers() -> dict[str, Any]:
-    """format → writer(module, ckpt, out, speculative_tokens) → directories written."""
+    """format → writer(module, ckpt, out, options: ExportConfig) → directories written."""
     from draftsmith.export.eagle import write_eagle
     from draftsmith.export.eagle3 import write_eagle3
     from draftsmith.export.native import write_native
@@ -45,12 +45,15 @@ class ExportConfig:
         format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
         out: the output directory.
         speculative_tokens: tokens per proposal written into the speculators config.
+        verifier: the target the speculators config names, which vLLM loads: a hub id or a local model directory
+            (default: the local directory the drafter was trained against; an embedded or GGUF target's dequantized copy).
     """
 
     checkpoint: str
     format: str = "native"
     out: str = "export"
     speculative_tokens: int = 3
+    verifier: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -59,11 +62,11 @@ class ExportConfig:
             raise DraftsmithError(f"--speculative_tokens must be >= 1, got {self.speculative_tokens}")
 
 
-def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> dict[str, Any]:
+def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3, verifier: str | None = None) -> dict[str, Any]:
     """Write `fmt` for the checkpoint into `out`, check it, reload it and compare logits."""
     from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint
 
-    ExportConfig(ckpt_path, fmt, out, speculative_tokens)  # the settings' checks, stated once
+    options = ExportConfig(ckpt_path, fmt, out, speculative_tokens, verifier)  # the settings' checks, stated once
     ckpt = load_checkpoint(ckpt_path)
     kind = ckpt["draftsmith"]["kind"]
     if kind in ("specdec", "disco"):  # a stop head goes into its drafter's native export
@@ -80,7 +83,7 @@ def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3) -> d
                               "use --format eagle3 (vLLM, SGLang) or speculators")
     module = module_from_checkpoint(ckpt)
     out_dir = Path(out)
-    written = writers()[fmt](module, ckpt, out_dir, speculative_tokens)
+    written = writers()[fmt](module, ckpt, out_dir, options)
     error = verify_roundtrip(module, fmt, out_dir)
     return {"format": fmt, "kind": kind, "out": str(out_dir), "directories": written, "max_logit_error": error,
             "checkpoint": ckpt["path"]}

@@ -63,6 +63,24 @@ def check_config(config: dict[str, Any], required: dict[str, Any], where: str) -
         raise DraftsmithError(f"{where}/config.json breaks its consumer's contract: " + "; ".join(problems))
 
 
+def provenance(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """Where an export came from: the checkpoint file, its step and epoch, and the validation score
+    ModelCheckpoint recorded for it (its monitor, val/tau for drafters: the τ̂ it was chosen by), so
+    that a served drafter can be traced to its run and two exports of one run told apart."""
+    score, monitor = None, None
+    for name, state in ckpt.get("callbacks", {}).items():
+        if not (name.startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor")):
+            continue
+        monitor = state["monitor"]
+        recorded = {Path(k).name: v for k, v in (state.get("best_k_models") or {}).items()}
+        value = recorded.get(Path(ckpt["path"]).name, state.get("current_score"))
+        score = None if value is None else float(value)
+        break
+    return {"checkpoint": str(Path(ckpt["path"]).resolve()), "global_step": ckpt.get("global_step"),
+            "epoch": ckpt.get("epoch"), "monitor": monitor, "score": score,
+            "val_tau": score if monitor == "val/tau" else None}
+
+
 def sizes(module: Any) -> dict[str, int]:
     cfg, d = module.drafter.config, module.drafter
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

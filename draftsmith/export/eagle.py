@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.common import check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config, save, sizes
+from draftsmith.export.common import (check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config,
+                                     provenance, save, sizes)
 
 ENGINES = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"], "eagle-reference": ["LlamaForCausalLM"]}
 
@@ -33,14 +34,15 @@ def check_eagle(tensors: dict[str, torch.Tensor], s: dict[str, int], where: str)
     check_tensors("eagle", tensors, shapes, {"embed_tokens.weight"}, where)
 
 
-def write_eagle(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[str]:
+def write_eagle(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> list[str]:
     s = sizes(module)
     tensors = eagle_tensors(module.drafter)
     check_eagle(tensors, s, str(out))
     for engine, arch in ENGINES.items():
         config = llama_layer_config(module, arch)
         config["draftsmith"] = {"kind": "eagle", "target": module.identity["name"],
-                                "feature": "post-norm last hidden state", "input": "concat(embed, feature)"}
+                                "feature": "post-norm last hidden state", "input": "concat(embed, feature)",
+                                "provenance": provenance(ckpt)}
         check_config(config, {"architectures": arch, "num_hidden_layers": 1, "hidden_size": s["H"],
                               "vocab_size": s["V"], "rope_theta": None, "rope_scaling": None}, str(out / engine))
         save(out / engine, tensors, config, bin_file=engine == "eagle-reference")

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.export.common import check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config, save, sizes
+from draftsmith.export.common import (check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config,
+                                     provenance, save, sizes)
 
 
 def eagle3_tensors(drafter: Any, with_embeddings: bool = False) -> dict[str, torch.Tensor]:
@@ -52,7 +53,7 @@ def eagle3_config(module: Any, layer_ids: list[int], k: int) -> dict[str, Any]:
     return config
 
 
-def write_eagle3(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[str]:
+def write_eagle3(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> list[str]:
     s, ids = sizes(module), list(module.aux_layer_ids)
     tensors = eagle3_tensors(module.drafter)
     check_eagle3(tensors, s, str(out))
@@ -63,7 +64,7 @@ def write_eagle3(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[
                               "tie_word_embeddings": False, "norm_before_residual": False,
                               "eagle_config.eagle_aux_hidden_state_layer_ids": layer_ids, "rope_theta": None,
                               "rope_scaling": None}, str(out / engine))
-        config["draftsmith"] = {"layer_convention": "sglang (hf id - 1)" if engine == "sglang" else "hf_output_hidden_states",
-                                "target": module.identity["name"]}
+        config["draftsmith"] = {"kind": "eagle3", "target": module.identity["name"], "provenance": provenance(ckpt),
+                                "layer_convention": "sglang (hf id - 1)" if engine == "sglang" else "hf_output_hidden_states"}
         save(out / engine, tensors, config)
     return [str(out / "vllm"), str(out / "sglang")]

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.common import sizes
+from draftsmith.export.common import provenance, sizes
 from draftsmith.models.loading import NATIVE_FORMAT, STANDALONE_FILE, TOKEN_COUNTS
 
 
@@ -26,9 +26,7 @@ def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
         "layer_convention": "hf_output_hidden_states",  # id i = output_hidden_states[i]
         "final_feature": "post-norm last hidden state",
         "aux_layer_ids": getattr(module, "aux_layer_ids", []),
-        "provenance": {"checkpoint": ckpt["path"], "global_step": ckpt.get("global_step"),
-                       "epoch": ckpt.get("epoch"), "hyper_parameters": dict(ckpt["hyper_parameters"]),
-                       "best_scores": best},
+        "provenance": {**provenance(ckpt), "hyper_parameters": dict(ckpt["hyper_parameters"]), "best_scores": best},
     }
     if kind == "standalone":
         config["model_config"] = module.student.config.to_dict() if hasattr(module.student, "config") else None
@@ -39,7 +37,7 @@ def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def write_native(module: Any, ckpt: dict[str, Any], out: Path, _k: int) -> list[str]:
+def write_native(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> list[str]:
     from safetensors.torch import save_file
 
     from draftsmith.export.common import save

@@ -1,24 +1,58 @@
-"""The "speculators" format: vLLM's native speculator config (Eagle3Speculator), EAGLE-3 drafters.
+"""The "speculators" format: the `speculators` library's Eagle3Speculator, which vLLM serves directly
+(`vllm serve EXPORT_DIR` reads the verifier from it).
 
 `transformer_layer_config` holds the Llama layer config; `norm_before_residual` is written
 explicitly (vLLM defaults it to true); `speculators_config` names the proposal method and the
-verifier. Weights as in the eagle3 format, saved as model.safetensors.
+verifier. The verifier must resolve outside draftsmith: a local model directory with config and
+tokenizer (an embedded or GGUF target's dequantized copy) or a hub id given with `--verifier`;
+draftsmith's own name for the target goes in the `draftsmith` block. Weights as in the eagle3
+format plus `embed_tokens.weight` (the `speculators` package leaves a missing embedding at zero
+without a warning; vLLM shares the target's copy either way), saved as model.safetensors.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.export.common import check_config, llama_layer_config, save, sizes
+from draftsmith.export.common import check_config, llama_layer_config, provenance, save, sizes
 from draftsmith.export.eagle3 import check_eagle3, eagle3_tensors
 
 
-def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, k: int) -> list[str]:
+def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
+    """What `speculators_config.verifier.name_or_path` should say: `verifier` when given (checked
+    against the drafter's target where it is a local directory), else the target's local directory."""
+    from draftsmith.models.target import resolve_source
+
+    if verifier is None:
+        if identity.get("adapter"):
+            raise DraftsmithError("the drafter's target has a LoRA adapter merged in: save the merged model and "
+                                  "name it with --verifier (a local directory or a hub id)")
+        source = resolve_source(identity["name"])
+        path = Path(source)
+        return str(path.resolve()) if path.is_dir() else source
+    path = Path(verifier).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DraftsmithError(f"--verifier {verifier}: no config.json there (expected a model directory)")
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config", config)
+        found = {k: config.get(k) for k in ("hidden_size", "vocab_size")}
+        wanted = {k: identity[k] for k in found}
+        if found != wanted:
+            raise DraftsmithError(f"--verifier {verifier} is not the drafter's target: {found}, expected {wanted}")
+        return str(path.resolve())
+    return verifier
+
+
+def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any) -> list[str]:
     s, ids = sizes(module), list(module.aux_layer_ids)
-    tensors = eagle3_tensors(module.drafter)
+    tensors = eagle3_tensors(module.drafter, with_embeddings=True)
     check_eagle3(tensors, s, str(out))
+    if "embed_tokens.weight" not in tensors:
+        raise DraftsmithError(f"{out}: the speculators format needs embed_tokens.weight")
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
     config = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -26,10 +60,13 @@ def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, k: int) -> l
         "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-            "verifier": {"name_or_path": module.identity["name"], "architectures": [module.identity["architecture"]]},
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.speculative_tokens}],
+            "verifier": {"name_or_path": verifier_path(module.identity, options.verifier),
+                         "architectures": [module.identity["architecture"]]},
         },
         "torch_dtype": "float32",
+        "draftsmith": {"kind": "eagle3", "target": module.identity["name"], "target_identity": module.identity,
+                       "provenance": provenance(ckpt)},
     }
     check_config(config, {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                           "transformer_layer_config": None, "draft_vocab_size": s["Vd"],
@@ -40,5 +77,7 @@ def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, k: int) -> l
     methods = [m["proposal_type"] for m in config["speculators_config"]["proposal_methods"]]
     if config["speculators_config"]["default_proposal_method"] not in methods:
         raise DraftsmithError(f"{out}: default_proposal_method is not among proposal_methods {methods}")
+    if config["speculators_config"]["verifier"]["name_or_path"].startswith("embedded:"):
+        raise DraftsmithError(f"{out}: the verifier must be a directory or hub id the engines can load")
     save(out, tensors, config)
     return [str(out)]
