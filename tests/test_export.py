@@ -272,4 +272,6 @@ def test_an_embedded_targets_verifier_is_its_dequantized_directory():
     assert AutoTokenizer.from_pretrained(path).chat_template
     with pytest.raises(DraftsmithError, match="LoRA adapter"):
         verifier_path({**identity, "adapter": "some/lora"}, None)
+    with pytest.raises(DraftsmithError, match="an embedded alias means nothing to vLLM"):
+        verifier_path(identity, "embedded:smollm2-135m-instruct")
 
