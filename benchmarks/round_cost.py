@@ -2,20 +2,26 @@
 
 Times, side by side in one process (medians of `--repeats` after a warm-up): one autoregressive
 target step; for each draft shape, the drafter's work in a round (feeding it two accepted
-anchors, then drafting the chain or EAGLE-2 tree) and the target forward that verifies it,
-also with transformers' default attention for comparison (under a mask it repeats every cached
-key and value per query head; the runtime lets SDPA group the query heads on a CPU). A
-round's cost over an autoregressive step is the acceptance length τ a shape must reach just to
-break even; 1.5 times that is the τ a 1.5x wall-clock speedup needs (speedup = τ · AR step /
-round). Costs do not depend on what the drafter has learned, so by default the drafter is a
-freshly initialised EAGLE-3 drafter of the hass-cpu-full shape (fused layers [2, 15, 27], an
-8192-token head); `--drafter DIR` times a native export instead. Cache: `--context` tokens.
+anchors, then drafting the chain or EAGLE-2 tree) and the target forward that verifies it. Both
+with the runtime as it decodes (preallocated KV slabs, skinny linears on a CPU) and with the
+reference path (`fast=False`: transformers' DynamicCache and nn.Linear as they are), each
+against its own autoregressive step. A round's cost over an autoregressive step is the
+acceptance length τ a shape must reach just to break even; 1.5 times that is the τ a 1.5x
+wall-clock speedup needs (speedup = τ · AR step / round). Costs do not depend on what the
+drafter has learned, so by default the drafter is a freshly initialised EAGLE-3 drafter of the
+hass-cpu-full shape (fused layers [2, 15, 27], an 8192-token head); `--drafter DIR` times a
+native export instead. Cache: `--context` tokens.
 
     python benchmarks/round_cost.py [--drafter DIR] [--context 400] [--chains 3,4]
-                                    [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30]
+                                    [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30] [--dtype float32]
 
-Ends with `RESULT ar_ms=... ratio_<shape>=<round / AR step> repeat_kv_<shape>=<verify with K/V repeated
-/ verify> ...`.
+Ends with `RESULT ar_ms=... ar_ms_reference=... ratio_<shape>=<round / AR step>
+ratio_<shape>_reference=...`.
+
+`--profile` first prints where a round's time goes, by torch.profiler, for the autoregressive step,
+the first chain and the first tree of each runtime: milliseconds per round in matrix products,
+attention, KV-cache copies, other tensor ops, and what no tensor op accounts for (Python,
+transformers' module calls, tree bookkeeping).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -36,6 +43,32 @@ def median_ms(fn, repeats: int, warmup: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+CATEGORIES = {  # ATen / oneDNN op name → part of a round
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise"),
+    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax"),
+    "kv cache": ("aten::cat", "aten::index_select", "aten::index_copy", "aten::copy_", "aten::clone"),
+}
+
+
+def profile_ms(fn, repeats: int) -> dict[str, float]:
+    """Milliseconds per call of `fn` by category (self time of the ops), plus the wall time no op accounts for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        wall = (time.perf_counter() - start) * 1e3 / repeats
+    parts: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        category = next((c for c, names in CATEGORIES.items() if event.key.startswith(names)), "other ops")
+        parts[category] += event.self_cpu_time_total / 1e3 / repeats
+    parts["python & framework"] = max(0.0, wall - sum(parts.values()))
+    parts["wall"] = wall
+    return dict(parts)
 
 
 def fresh_eagle3(target, layer_ids: list[int], draft_vocab: int):
@@ -58,6 +91,7 @@ def main() -> None:
     ap.add_argument("--trees", nargs="*", default=["4,4,12", "5,6,24", "5,8,32", "6,8,40"], help="DEPTH,TOPK,TOKENS")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
     args = ap.parse_args()
 
     from draftsmith.eval.evaluate import EvalConfig
@@ -69,67 +103,83 @@ def main() -> None:
     from draftsmith.runtime.sampling import SamplingConfig
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
-    if args.drafter:
-        proposer, what = load_proposer(args.drafter, target)
-        if not isinstance(proposer, FeatureProposer):
-            raise SystemExit(f"{args.drafter}: round costs are timed for feature drafters (EAGLE/HASS/EAGLE-3)")
-    else:
+
+    def make_proposer(fast: bool):
+        if args.drafter:
+            proposer, what = load_proposer(args.drafter, target)
+            if not isinstance(proposer, FeatureProposer):
+                raise SystemExit(f"{args.drafter}: round costs are timed for feature drafters (EAGLE/HASS/EAGLE-3)")
+            return FeatureProposer(proposer.drafter, target.vocab_size, proposer.aux_layer_ids, fast=fast), what
         layer_ids = [2, 15, 27]
-        proposer, what = FeatureProposer(fresh_eagle3(target, layer_ids, 8192), target.vocab_size, layer_ids), \
-            "fresh EAGLE-3, fused [2, 15, 27], 8192-token head"
-    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+        return (FeatureProposer(fresh_eagle3(target, layer_ids, 8192), target.vocab_size, layer_ids, fast=fast),
+                "fresh EAGLE-3, fused [2, 15, 27], 8192-token head")
+
     torch.manual_seed(0)
     prompt = torch.randint(1000, target.vocab_size, (args.context,)).tolist()
-    with torch.no_grad():
-        runner.reset()
-        _, final, aux = runner.forward(prompt, last_logits=True)
-        proposer.reset()
-        proposer.observe(prompt[1:] + [prompt[0]], final, aux)
-    start, anchors = runner.cached(), proposer.anchors
-    feed = (final[-2:], aux[-2:] if aux is not None else None)
-
-    def drafter_round(draft):
-        """Feed two accepted anchors (crop them off again), then draft."""
-        def run():
-            proposer.anchors = anchors - 2  # observe crops the buffer to its anchors first
-            proposer.observe(prompt[-2:], *feed)
-            return draft()
-        return run
-
-    def verify(tokens: list[int], tree=None, gqa: bool = True):
-        def run():
-            runner.gqa = gqa
-            runner.forward([prompt[-1]] + tokens, tree)
-            runner.rollback(runner.cached() - start)
-        return run
-
-    print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}", flush=True)
-    ar = median_ms(verify([]), args.repeats)
-    rows = [("autoregressive", 1, 0.0, ar, ar)]
     sampling = SamplingConfig()
-    drafts = []  # (name, one drafter round, whether it drafts a tree)
-    for k in (int(x) for x in args.chains.split(",") if x):
-        drafts.append((f"chain {k}", drafter_round(lambda k=k: proposer.propose(prompt, Static(k), k, sampling, None)),
-                       False))
-    for spec in args.trees:
-        shape = EvalConfig(target="", tree=spec).tree_shape()
-        drafts.append((f"tree {spec}", drafter_round(lambda shape=shape: proposer.propose_tree(shape)), True))
-    for name, draft, is_tree in drafts:
-        drafted = draft()
-        tokens, tree = (drafted.tokens.tolist(), drafted) if is_tree else (drafted[0], None)
-        rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats),
-                     median_ms(verify(tokens, tree, gqa=False), args.repeats)))
+    shapes = [(f"chain {k}", k) for k in (int(x) for x in args.chains.split(",") if x)]
+    shapes += [(f"tree {spec}", EvalConfig(target="", tree=spec).tree_shape()) for spec in args.trees]
 
+    def time_runtime(fast: bool) -> tuple[str, list[tuple[str, int, float, float]]]:
+        """(drafter description, rows (shape, verified tokens, draft ms, verify ms)) of one runtime."""
+        proposer, what = make_proposer(fast)
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast)
+        with torch.no_grad():
+            runner.reset()
+            _, final, aux = runner.forward(prompt, last_logits=True)
+            proposer.reset()
+            proposer.observe(prompt[1:] + [prompt[0]], final, aux)
+        start, anchors = runner.cached(), proposer.anchors
+        feed = (final[-2:], aux[-2:] if aux is not None else None)
+
+        def drafter_round(draft):
+            """Feed two accepted anchors (crop them off again), then draft."""
+            def run():
+                proposer.anchors = anchors - 2  # observe crops the buffer to its anchors first
+                proposer.observe(prompt[-2:], *feed)
+                return draft()
+            return run
+
+        def verify(tokens: list[int], tree=None):
+            def run():
+                runner.forward([prompt[-1]] + tokens, tree)
+                runner.rollback(runner.cached() - start)
+            return run
+
+        rows = [("autoregressive", 1, 0.0, median_ms(verify([]), args.repeats))]
+        profiled = {"autoregressive": verify([])}
+        for name, shape in shapes:
+            if isinstance(shape, int):
+                draft = drafter_round(lambda k=shape: proposer.propose(prompt, Static(k), k, sampling, None))
+                tokens, tree = draft()[0], None
+            else:
+                draft = drafter_round(lambda shape=shape: proposer.propose_tree(shape))
+                tree = draft()
+                tokens = tree.tokens.tolist()
+            rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats)))
+            if name.split()[0] not in {n.split()[0] for n in profiled}:
+                profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
+        if args.profile:
+            label = "runtime" if fast else "reference"
+            for name, fn in profiled.items():
+                parts = profile_ms(fn, max(3, args.repeats // 2))
+                print(f"profile {label:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+        return what, rows
+
+    what, rows = time_runtime(True)
+    _, reference = time_runtime(False)
+    print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}")
     print(f"{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
-          f"{'τ for 1.5x':>12}{'verify, K/V repeated':>22}")
-    parts = [f"ar_ms={ar:.1f}"]
-    for name, n, draft_ms, verify_ms, repeated_ms in rows:
-        ratio = (draft_ms + verify_ms) / ar
+          f"{'τ for 1.5x':>12}{'reference round/AR':>20}")
+    ar, ar_reference = rows[0][3], reference[0][3]
+    parts = [f"ar_ms={ar:.1f}", f"ar_ms_reference={ar_reference:.1f}"]
+    for (name, n, draft_ms, verify_ms), (_, _, ref_draft, ref_verify) in zip(rows, reference):
+        ratio, ref_ratio = (draft_ms + verify_ms) / ar, (ref_draft + ref_verify) / ar_reference
         print(f"{name:<16}{n:>9}{draft_ms:>10.1f}{verify_ms:>11.1f}{draft_ms + verify_ms:>10.1f}{ratio:>10.2f}"
-              f"{1.5 * ratio:>12.2f}{repeated_ms:>22.1f}")
+              f"{1.5 * ratio:>12.2f}{ref_ratio:>20.2f}")
         if name != "autoregressive":
             key = name.replace(" ", "").replace(",", "_")
-            parts += [f"ratio_{key}={ratio:.3f}", f"repeat_kv_{key}={repeated_ms / verify_ms:.3f}"]
+            parts += [f"ratio_{key}={ratio:.3f}", f"ratio_{key}_reference={ref_ratio:.3f}"]
     print("RESULT " + " ".join(parts))
 
 

@@ -19,6 +19,8 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
+from draftsmith.runtime.cache import preallocated_cache
+from draftsmith.runtime.kernels import SkinnyLinears
 from draftsmith.runtime.policies import Fallback, Policy
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
@@ -64,7 +66,8 @@ class GenerationResult:
 class TargetRunner:
     """A transformers causal LM with its KV cache: forward, read features, roll back."""
 
-    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None):
+    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None,
+                 fast: bool = True):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -73,6 +76,11 @@ class TargetRunner:
         # grouped-query attention without copying K/V per head group (see grouped_query_sdpa); on a
         # GPU a masked GQA call would leave the fused kernels, so there transformers' default stands
         self.gqa = self.device.type == "cpu" if gqa is None else gqa
+        # `fast`: preallocated KV slabs (runtime/cache.py) and, on a CPU, skinny linears (runtime/kernels.py);
+        # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
+        self.fast = fast
+        self.skinny = SkinnyLinears(model, enabled=fast)
+        self.bool_masks = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +89,7 @@ class TargetRunner:
     def reset(self) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = preallocated_cache(self.model.config) if self.fast else DynamicCache(config=self.model.config)
 
     @torch.no_grad()
     def forward(self, tokens: list[int], tree: DraftTree | None = None,
@@ -94,16 +102,18 @@ class TargetRunner:
         if tree is not None:
             cached = self.cached()
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
-            extra = {"attention_mask": tree_attention_mask(tree, cached, self.head.weight.dtype).to(self.device),
-                     "position_ids": (cached + depth)[None]}
+            mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
+            extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
-                grouped_query_sdpa(self.gqa and len(tokens) > 1):
+                grouped_query_sdpa(self.gqa and len(tokens) > 1), self.skinny:
             out = self.decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                output_hidden_states=captured.fallback, **extra)
         final = out.last_hidden_state[0]
         hidden = captured.collect(out)
         aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
-        return self.head(final[-1:] if last_logits else final), final, aux
+        with self.skinny:
+            logits = self.head(final[-1:] if last_logits else final)
+        return logits, final, aux
 
     def rollback(self, remove: int) -> None:
         if remove > 0:
@@ -116,6 +126,11 @@ class TargetRunner:
         if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in self.cache.layers):
             raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
         nodes = self.cached() - start - 1
+        if all(hasattr(layer, "keep") for layer in self.cache.layers):
+            rows = [start] + [start + 1 + i for i in path]
+            for layer in self.cache.layers:
+                layer.keep(start, rows)
+            return
         if path != list(range(len(path))):  # node i sits at start + 1 + i
             source = torch.tensor([start + 1 + i for i in path], device=self.device)
             rows = slice(start + 1, start + 1 + len(path))

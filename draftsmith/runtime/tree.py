@@ -91,25 +91,35 @@ class DraftTree:
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors.
 
-    `parents` must list parents before children."""
+    `parents` must list parents before children. One vectorized step per tree level: after d
+    steps every node at depth ≤ d has its full row."""
     n = parents.shape[0]
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
-    for i, parent in enumerate(parents.tolist()):
-        if parent >= i:
-            raise DraftsmithError(f"tree node {i} has parent {parent}: parents must come before children")
-        if parent >= 0:
-            anc[i] |= anc[parent]
+    index = torch.arange(n, device=parents.device)
+    if bool((parents >= index).any()):
+        i = int((parents >= index).nonzero()[0])
+        raise DraftsmithError(f"tree node {i} has parent {int(parents[i])}: parents must come before children")
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    has_parent, parent = (parents >= 0)[:, None], parents.clamp(min=0)
+    anc = eye
+    for _ in range(n):
+        grown = eye | (anc[parent] & has_parent)
+        if torch.equal(grown, anc):
+            break
+        anc = grown
     return anc
 
 
-def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]:
-    every row sees the cache and the root; node rows see their ancestors and themselves."""
+def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]: every row sees
+    the cache and the root; node rows see their ancestors and themselves. Boolean (True: attend;
+    what SDPA takes as it is) when `dtype` is None, else additive (0 or the dtype's minimum)."""
     n = len(tree)
     device = tree.tokens.device
     allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=device)
     allowed[0, cached + 1:] = False
     allowed[1:, cached + 1:] = ancestor_matrix(tree.parents)
+    if dtype is None:
+        return allowed[None, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
