@@ -104,15 +104,14 @@ def main() -> None:
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
 
-    def make_proposer(fast: bool):
-        if args.drafter:
-            proposer, what = load_proposer(args.drafter, target)
-            if not isinstance(proposer, FeatureProposer):
-                raise SystemExit(f"{args.drafter}: round costs are timed for feature drafters (EAGLE/HASS/EAGLE-3)")
-            return FeatureProposer(proposer.drafter, target.vocab_size, proposer.aux_layer_ids, fast=fast), what
+    if args.drafter:
+        loaded, what = load_proposer(args.drafter, target)
+        if not isinstance(loaded, FeatureProposer):
+            raise SystemExit(f"{args.drafter}: round costs are timed for feature drafters (EAGLE/HASS/EAGLE-3)")
+        drafter, layer_ids = loaded.drafter, loaded.aux_layer_ids
+    else:
         layer_ids = [2, 15, 27]
-        return (FeatureProposer(fresh_eagle3(target, layer_ids, 8192), target.vocab_size, layer_ids, fast=fast),
-                "fresh EAGLE-3, fused [2, 15, 27], 8192-token head")
+        drafter, what = fresh_eagle3(target, layer_ids, 8192), "fresh EAGLE-3, fused [2, 15, 27], 8192-token head"
 
     torch.manual_seed(0)
     prompt = torch.randint(1000, target.vocab_size, (args.context,)).tolist()
@@ -120,9 +119,9 @@ def main() -> None:
     shapes = [(f"chain {k}", k) for k in (int(x) for x in args.chains.split(",") if x)]
     shapes += [(f"tree {spec}", EvalConfig(target="", tree=spec).tree_shape()) for spec in args.trees]
 
-    def time_runtime(fast: bool) -> tuple[str, list[tuple[str, int, float, float]]]:
-        """(drafter description, rows (shape, verified tokens, draft ms, verify ms)) of one runtime."""
-        proposer, what = make_proposer(fast)
+    def time_runtime(fast: bool) -> list[tuple[str, int, float, float]]:
+        """Rows (shape, verified tokens, draft ms, verify ms) of one runtime."""
+        proposer = FeatureProposer(drafter, target.vocab_size, layer_ids, fast=fast)
         runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast)
         with torch.no_grad():
             runner.reset()
@@ -147,7 +146,7 @@ def main() -> None:
             return run
 
         rows = [("autoregressive", 1, 0.0, median_ms(verify([]), args.repeats))]
-        profiled = {"autoregressive": verify([])}
+        profiled = {"autoregressive": verify([])}  # and the first chain and the first tree
         for name, shape in shapes:
             if isinstance(shape, int):
                 draft = drafter_round(lambda k=shape: proposer.propose(prompt, Static(k), k, sampling, None))
@@ -157,17 +156,16 @@ def main() -> None:
                 tree = draft()
                 tokens = tree.tokens.tolist()
             rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats)))
-            if name.split()[0] not in {n.split()[0] for n in profiled}:
+            if not any(n.startswith(name.split()[0]) for n in profiled):
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
         if args.profile:
             label = "runtime" if fast else "reference"
             for name, fn in profiled.items():
                 parts = profile_ms(fn, max(3, args.repeats // 2))
                 print(f"profile {label:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
-        return what, rows
+        return rows
 
-    what, rows = time_runtime(True)
-    _, reference = time_runtime(False)
+    rows, reference = time_runtime(True), time_runtime(False)
     print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}")
     print(f"{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
           f"{'τ for 1.5x':>12}{'reference round/AR':>20}")

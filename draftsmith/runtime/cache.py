@@ -4,7 +4,8 @@ A speculative round appends a few keys per layer, then drops the rejected ones (
 moves the accepted path's rows up (a tree). transformers' DynamicCache appends with `torch.cat`,
 which copies every layer's whole cache on every forward. Here each layer holds a preallocated
 slab (B, kv, capacity, hd) and a length: appending writes into the slab, rolling back moves the
-length, and keeping a tree path copies only the path's rows. The keys and values a layer hands
+length, and keeping a tree path (TargetRunner.keep_path writing through the views) copies only
+the path's rows. The keys and values a layer hands
 to attention are views of the slab's first `length` positions. When a sequence outgrows the
 slab, it is reallocated at twice the size (amortized: a few times per generation at most).
 
@@ -70,15 +71,6 @@ class StaticKV:
         """Keep the first `length` positions."""
         self.length = max(0, min(length, self.length))
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        """Move positions `rows` (absolute, ascending, each ≥ its destination) to start, start+1, ...
-        and drop everything after them."""
-        if rows != list(range(start, start + len(rows))):
-            source = torch.tensor(rows, device=self.slab_k.device)
-            self.slab_k[:, :, start: start + len(rows)] = self.slab_k.index_select(2, source)
-            self.slab_v[:, :, start: start + len(rows)] = self.slab_v.index_select(2, source)
-        self.length = start + len(rows)
-
 
 class SlabLayer(DynamicLayer):
     """A transformers cache layer over a StaticKV; `keys`/`values` are the slab's live views."""
@@ -106,20 +98,17 @@ class SlabLayer(DynamicLayer):
         self.kv.crop(self.kv.length + tokens_to_remove)
         self.keys, self.values = self.kv.keys, self.kv.values
 
-    def keep(self, start: int, rows: list[int]) -> None:
-        """See StaticKV.keep."""
-        self.kv.keep(start, rows)
-        self.keys, self.values = self.kv.keys, self.kv.values
-
     def reset(self) -> None:
         self.kv.crop(0)
         self.keys, self.values = self.kv.keys, self.kv.values
 
 
-def preallocated_cache(config: Any, capacity: int = DEFAULT_CAPACITY) -> DynamicCache:
-    """A transformers DynamicCache for `config` whose full-attention layers are `SlabLayer`s
-    (sliding-window and other special layers stay as transformers makes them)."""
+def decoding_cache(config: Any, preallocated: bool = True, capacity: int = DEFAULT_CAPACITY) -> DynamicCache:
+    """A transformers DynamicCache for `config`; `preallocated`: its full-attention layers are
+    `SlabLayer`s (sliding-window and other special layers stay as transformers makes them)."""
     cache = DynamicCache(config=config)
+    if not preallocated:
+        return cache
     cache.layers = [SlabLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # no config: layers are made as the model asks
         cache.layer_class_to_replicate = SlabLayer

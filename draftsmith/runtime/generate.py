@@ -19,7 +19,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
-from draftsmith.runtime.cache import preallocated_cache
+from draftsmith.runtime.cache import decoding_cache
 from draftsmith.runtime.kernels import SkinnyLinears
 from draftsmith.runtime.policies import Fallback, Policy
 from draftsmith.runtime.proposers import Proposer, TreeProposer
@@ -87,9 +87,7 @@ class TargetRunner:
         return self.head.weight.device
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = preallocated_cache(self.model.config) if self.fast else DynamicCache(config=self.model.config)
+        self.cache = decoding_cache(self.model.config, preallocated=self.fast)
 
     @torch.no_grad()
     def forward(self, tokens: list[int], tree: DraftTree | None = None,
@@ -108,11 +106,10 @@ class TargetRunner:
                 grouped_query_sdpa(self.gqa and len(tokens) > 1), self.skinny:
             out = self.decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                output_hidden_states=captured.fallback, **extra)
-        final = out.last_hidden_state[0]
+            final = out.last_hidden_state[0]
+            logits = self.head(final[-1:] if last_logits else final)
         hidden = captured.collect(out)
         aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
-        with self.skinny:
-            logits = self.head(final[-1:] if last_logits else final)
         return logits, final, aux
 
     def rollback(self, remove: int) -> None:
@@ -126,11 +123,6 @@ class TargetRunner:
         if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in self.cache.layers):
             raise DraftsmithError("tree drafting needs a full-attention KV cache; use chain drafting for this target")
         nodes = self.cached() - start - 1
-        if all(hasattr(layer, "keep") for layer in self.cache.layers):
-            rows = [start] + [start + 1 + i for i in path]
-            for layer in self.cache.layers:
-                layer.keep(start, rows)
-            return
         if path != list(range(len(path))):  # node i sits at start + 1 + i
             source = torch.tensor([start + 1 + i for i in path], device=self.device)
             rows = slice(start + 1, start + 1 + len(path))

@@ -30,11 +30,6 @@ from torch import nn
 MAX_ROWS = 64  # beyond this the ordinary GEMM path is as good (a prefill is never skinny)
 
 
-def padded_rows(rows: int) -> int:
-    """The row count the swapped product is computed at: one row is padded to two."""
-    return 2 if rows == 1 else rows
-
-
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """oneDNN's linear on the weight as stored (what inductor calls on a CPU); None where this
     torch build lacks it."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
-from draftsmith.runtime.cache import StaticKV, preallocated_cache
+from draftsmith.runtime.cache import StaticKV, decoding_cache
 from draftsmith.runtime.kernels import SkinnyLinears, under_skinny_linears
 from draftsmith.runtime.policies import DraftStep, Policy
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
@@ -317,9 +317,7 @@ class ModelProposer:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = preallocated_cache(self.model.config) if self.fast else DynamicCache(config=self.model.config)
+        self.cache = decoding_cache(self.model.config, preallocated=self.fast)
         self.cached: list[int] = []  # committed tokens whose keys are in the cache
         self.fed: list[int] = []  # drafted tokens fed after them last round
         self.forwards = 0

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import draftsmith.runtime.kernels as kernels
 from draftsmith.models.common import KVBuffer, cache_kwargs
-from draftsmith.runtime.cache import SlabLayer, StaticKV, preallocated_cache
+from draftsmith.runtime.cache import SlabLayer, StaticKV, decoding_cache
 from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.kernels import SkinnyLinears, skinny_linear
 from draftsmith.runtime.policies import Static
@@ -72,7 +72,7 @@ def test_static_kv_matches_a_concatenating_buffer():
 def test_slab_cache_rollback_and_path_keeping_equal_recomputation(target):
     runner = TargetRunner(target)
     runner.reset()
-    runner.cache = preallocated_cache(target.config, capacity=3)  # small: it must grow on the way
+    runner.cache = decoding_cache(target.config, capacity=3)  # small: it must grow on the way
     assert all(isinstance(layer, SlabLayer) for layer in runner.cache.layers)
     prompt, tree, path = [4, 8, 15, 16, 23], hand_tree([42, 7, 9, 11, 30, 2]), [0, 2, 5]
     runner.forward(prompt[:-1])
