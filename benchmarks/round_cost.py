@@ -3,7 +3,7 @@
 Times, side by side in one process (medians of `--repeats` after a warm-up): one autoregressive
 target step; for each draft shape, the drafter's work in a round (feeding it two accepted
 anchors, then drafting the chain or EAGLE-2 tree) and the target forward that verifies it. Both
-with the runtime as it decodes (preallocated KV slabs, skinny linears on a CPU) and with the
+with the runtime as it decodes (preallocated KV slabs, prepacked linear weights on a CPU) and with the
 reference path (`fast=False`: transformers' DynamicCache and nn.Linear as they are), each
 against its own autoregressive step. A round's cost over an autoregressive step is the
 acceptance length τ a shape must reach just to break even; 1.5 times that is the τ a 1.5x

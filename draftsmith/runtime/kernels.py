@@ -1,22 +1,23 @@
-"""Linear layers for the few rows a decoding step multiplies, on a CPU.
+"""Linear layers with prepacked weights, for the few rows a decoding step multiplies on a CPU.
 
-At batch 1 a decoding step multiplies 1 to ~32 rows by every weight matrix of the model, and the
-time is the time it takes to stream the weights from memory. `torch.nn.functional.linear`
-computes x·Wᵀ; for a few rows the CPU BLAS takes that as a general matrix product with a
-transposed weight, which it first repacks (reads and writes the whole weight once more), and for
-one row it takes a matrix-vector path that streams the weight at a fraction of the memory
-bandwidth. Computing the same product the other way round, (W·xᵀ)ᵀ, with x contiguous, keeps
-the weight in its stored layout and the small operand is the one that gets packed (one row is
-padded to two, so that the matrix-vector path is not taken). Above eight rows the product is
-compute-bound on a CPU without bf16 units, and oneDNN's linear (the kernel inductor calls) on
-the weight as stored is the fastest of the three. `benchmarks/round_cost.py` times both ways side by side (figures: docs/benchmarks.md).
+At batch 1 a decoding step multiplies 1 to a few dozen rows by every weight matrix of the model,
+so its time is the time it takes to stream the weights from memory. `F.linear` hands the CPU
+BLAS a weight in PyTorch's layout, and for so few rows the BLAS spends much of its time
+reordering that weight into the blocked layout its kernels read, on every call. oneDNN can
+reorder a weight once (`mkldnn._reorder_linear_weight`, what inductor does to a frozen model's
+weights) and then run `mkldnn._linear_pointwise` on the blocked copy: the product then costs
+about the weight read, and verifying a dozen rows costs about what one row does (figures:
+docs/runtime.md, "What a round costs").
 
-The result equals `F.linear` up to floating-point summation order. The switch is made per
-forward by `SkinnyLinears`, on the model's own `nn.Linear` modules (their forward is replaced for
-the duration of one call and restored after), so the model is not changed and training never
-sees it.
+`PackedLinears` switches the model's own `nn.Linear` modules to their packed copies for the
+duration of one call and restores them after, so the model is not changed and training never
+sees it. A copy is packed the first time it is needed and packed again when its weight has been
+written since (an optimizer step, `load_state_dict`), so a drafter validated while it trains is
+never run with stale weights. The copies cost memory: one more copy of every linear weight.
 
-Notation: R rows (tokens), I in-features, O out-features.
+The result equals `F.linear` up to floating-point summation order. Where oneDNN cannot pack a
+weight (no oneDNN in this build, a dtype it has no kernel for on this CPU, a GPU tensor),
+`F.linear` runs as before.
 """
 
 from __future__ import annotations
@@ -27,62 +28,59 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-MAX_ROWS = 64  # beyond this the ordinary GEMM path is as good (a prefill is never skinny)
+ROWS_HINT = 16  # the row count oneDNN tunes the blocked layout for; any count runs on it
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """oneDNN's linear on the weight as stored (what inductor calls on a CPU); None where this
-    torch build lacks it."""
-    global _ONEDNN
-    if _ONEDNN:
-        try:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _ONEDNN = False
-    return None
+def packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can pack this weight here."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
-SWAPPED_MAX_ROWS = 8  # above this oneDNN's kernels do better than the swapped product
+def pack(weight: torch.Tensor, rows_hint: int = ROWS_HINT) -> torch.Tensor:
+    """oneDNN's blocked copy of an (O, I) weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x (..., I) with few rows; (..., O)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS or torch.is_grad_enabled():
-        return nn.functional.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
-    out = _onednn_linear(flat, weight, bias) if rows > SWAPPED_MAX_ROWS else None
-    if out is None:
-        if rows == 1:
-            flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-        out = torch.mm(weight, flat.t()).t()[:rows].contiguous()  # (R, O)
-        if bias is not None:
-            out += bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on pack(weight); x (..., I) → (..., O)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, module.weight, module.bias)
+def _forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dtype != packed.dtype or x.device.type != "cpu":
+        return nn.functional.linear(x, module.weight, module.bias)
+    return packed_linear(x, packed, module.bias)
 
 
-class SkinnyLinears:
-    """`with SkinnyLinears(model, ...):` every plain `nn.Linear` of the modules computes as
-    `skinny_linear`; nested uses are fine (the outermost one switches).
+class PackedLinears:
+    """`with PackedLinears(model, ...):` every plain `nn.Linear` of the modules that oneDNN can
+    pack computes on its packed copy; nested uses are fine (the outermost one switches).
 
-    Off (a no-op) when `enabled` is False or the modules are not on a CPU (GPU BLAS libraries pick
-    good kernels for skinny products themselves)."""
+    Off (a no-op) when `enabled` is False. Grad mode and autocast always get `F.linear` itself."""
 
     def __init__(self, *modules: nn.Module, enabled: bool = True):
         linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear]
-        on_cpu = all(m.weight.device.type == "cpu" for m in linears)
-        self.linears = linears if enabled and on_cpu else []
+        self.linears = [m for m in linears if packable(m.weight)] if enabled else []
+        self.copies: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
         self.depth = 0
 
-    def __enter__(self) -> "SkinnyLinears":
+    def packed(self, module: nn.Linear) -> torch.Tensor:
+        """The module's packed weight, packed again if the weight was written since."""
+        version = (module.weight._version, module.weight.data_ptr())
+        copy = self.copies.get(module)
+        if copy is None or copy[0] != version:
+            with torch.no_grad():
+                copy = self.copies[module] = (version, pack(module.weight))
+        return copy[1]
+
+    def __enter__(self) -> "PackedLinears":
         if self.depth == 0:
             for m in self.linears:
-                m.forward = partial(_forward, m)
+                m.forward = partial(_forward, m, self.packed(m))
         self.depth += 1
         return self
 
@@ -93,12 +91,12 @@ class SkinnyLinears:
                 del m.forward
 
 
-def under_skinny_linears(method: Callable) -> Callable:
-    """Run a method with its object's `skinny` (a SkinnyLinears) switched on."""
+def under_packed_linears(method: Callable) -> Callable:
+    """Run a method with its object's `linears` (a PackedLinears) switched on."""
 
     @wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self.skinny:
+        with self.linears:
             return method(self, *args, **kwargs)
 
     return run

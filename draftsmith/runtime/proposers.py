@@ -16,7 +16,7 @@ import torch
 
 from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
 from draftsmith.runtime.cache import StaticKV, decoding_cache
-from draftsmith.runtime.kernels import SkinnyLinears, under_skinny_linears
+from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.policies import DraftStep, Policy
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
@@ -150,7 +150,7 @@ class FeatureProposer:
         self.needs_features = True
         self.drafter = drafter.eval()
         self.fast = fast  # False: transformers' linears and a concatenating KV buffer (the reference the benchmarks time)
-        self.skinny = SkinnyLinears(drafter, enabled=fast)  # see runtime/kernels.py
+        self.linears = PackedLinears(drafter, enabled=fast)  # packed weights: runtime/kernels.py
         self.vocab_size = vocab_size
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
@@ -162,7 +162,7 @@ class FeatureProposer:
         self.cache, self.anchors, self.hidden, self.forwards = StaticKV() if self.fast else KVBuffer(), 0, None, 0
 
     @torch.no_grad()
-    @under_skinny_linears
+    @under_packed_linears
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Feed n real anchors: tokens x_{t+1} (n,), their target features (n, H) and (n, k*Ht)."""
         self.cache.crop(self.anchors)
@@ -193,7 +193,7 @@ class FeatureProposer:
         return torch.cat([torch.full((1, logits.shape[1]), float("nan"), device=logits.device), logits])
 
     @torch.no_grad()
-    @under_skinny_linears
+    @under_packed_linears
     def chains(self, ids: list[int], anchors: list[int], depth: int, pick: Pick, final: torch.Tensor,
                aux: torch.Tensor | None) -> None:
         """Draft `depth` tokens after every anchor t ≥ 1 of `ids` at once, each chain exactly as `propose`
@@ -218,7 +218,7 @@ class FeatureProposer:
         return _in_target_vocab(probs, self.to_target, self.vocab_size)
 
     @torch.no_grad()
-    @under_skinny_linears
+    @under_packed_linears
     def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         tokens, scaled, raw = [], [], []
@@ -244,7 +244,7 @@ class FeatureProposer:
         return tokens, torch.stack(scaled), torch.stack(raw)
 
     @torch.no_grad()
-    @under_skinny_linears
+    @under_packed_linears
     def propose_tree(self, shape: TreeShape) -> DraftTree:
         """An EAGLE-2 dynamic tree: expand the `topk` best frontier nodes per level in one drafter
         forward each; every expanded node's keys go to the buffer after the real anchors and are
@@ -310,7 +310,7 @@ class ModelProposer:
         if head_ids is not None and len(head_ids) < vocab_size:
             self.head_ids, self.head = head_ids.long().to(self._device()), _ranked_head(model, head_ids)
         self.draftable = self.head_ids  # target ids it can draft (None: any)
-        self.skinny = SkinnyLinears(model, *([self.head] if self.head is not None else []), enabled=fast)
+        self.linears = PackedLinears(model, *([self.head] if self.head is not None else []), enabled=fast)
         self.reset()
 
     def _device(self) -> torch.device:
@@ -325,7 +325,7 @@ class ModelProposer:
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
 
-    @under_skinny_linears
+    @under_packed_linears
     def _next_logits(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens after the cache; the logits (V, or len(head_ids)) at the last of them and the
         decoder's last hidden state (H,) they come from."""

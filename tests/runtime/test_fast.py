@@ -1,5 +1,5 @@
 """The round-cost machinery (runtime/kernels.py, runtime/cache.py) against what it replaces:
-skinny linears against F.linear, preallocated KV slabs against recomputation and against
+packed linears against F.linear, preallocated KV slabs against recomputation and against
 transformers' concatenating cache, the fast runtime against the reference one."""
 
 import pytest
@@ -10,7 +10,7 @@ import draftsmith.runtime.kernels as kernels
 from draftsmith.models.common import KVBuffer, cache_kwargs
 from draftsmith.runtime.cache import SlabLayer, StaticKV, decoding_cache
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.kernels import SkinnyLinears, skinny_linear
+from draftsmith.runtime.kernels import PackedLinears
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.tree import TreeShape
@@ -19,39 +19,68 @@ from tests.runtime.test_generate import proposers
 from tests.runtime.test_tree import hand_tree
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 13, 16, 25, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 13, 64, 65, 400])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_equals_linear(rows, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_linear(rows, bias, dtype):
     torch.manual_seed(rows)
-    layer = torch.nn.Linear(48, 80, bias=bias)
-    x = torch.randn(1, rows, 48)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    if not kernels.packable(layer.weight):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this machine")
+    x = torch.randn(1, rows, 48, dtype=dtype)
     with torch.no_grad():
-        got = skinny_linear(x, layer.weight, layer.bias)
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-    assert got.shape == (1, rows, 80) and got.is_contiguous()
+        got = kernels.packed_linear(x, kernels.pack(layer.weight), layer.bias)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert got.shape == (1, rows, 80) and got.dtype == dtype
 
 
-def test_skinny_linears_switch_nested_and_restore(monkeypatch):
+def test_packed_linears_switch_nested_and_restore(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     calls = []
-    monkeypatch.setattr(kernels, "skinny_linear", lambda x, w, b=None: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
-    skinny = SkinnyLinears(model)
+    real = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda x, packed, b: calls.append(x.shape) or real(x, packed, b))
+    packed = PackedLinears(model)
+    assert len(packed.linears) == 2
     x = torch.randn(3, 8)
-    with torch.no_grad(), skinny:
-        with skinny:  # nested: still on inside, off only after the outermost
+    with torch.no_grad(), packed:
+        with packed:  # nested: still on inside, off only after the outermost
             model(x)
         model(x)
     assert len(calls) == 4
     assert all("forward" not in m.__dict__ for m in model)  # the modules are as they were
     model(x)
     assert len(calls) == 4
-    assert SkinnyLinears(model, enabled=False).linears == []
+    assert PackedLinears(model, enabled=False).linears == []
 
 
-def test_skinny_linears_leave_training_alone():
+def test_packed_linears_follow_weight_writes():
+    """A drafter validated while it trains: an optimizer step or load_state_dict writes the weight
+    in place, and the next packed call must see it, not the copy packed before."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    packed, x = PackedLinears(layer), torch.randn(2, 16)
+    with torch.no_grad(), packed:
+        before = layer(x)
+    torch.optim.SGD(layer.parameters(), lr=1.0).zero_grad()
+    layer(x).square().sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=1.0).step()
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        with packed:
+            after = layer(x)
+    assert not torch.allclose(before, expected)
+    torch.testing.assert_close(after, expected)
+
+
+def test_packed_linears_leave_training_and_autocast_alone(monkeypatch):
     layer = torch.nn.Linear(8, 4)
-    with SkinnyLinears(layer):
+    monkeypatch.setattr(kernels, "packed_linear", lambda *a: pytest.fail("packed path taken"))
+    with PackedLinears(layer):
         out = layer(torch.randn(2, 8))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(torch.randn(2, 8)).dtype == torch.bfloat16  # autocast's F.linear ran
     assert out.requires_grad  # with grad on, F.linear itself runs
 
 
@@ -101,7 +130,7 @@ def test_fast_and_reference_runtimes_decode_the_same_tokens(target, shape):
     for fast in (True, False):
         proposer = FeatureProposer(drafter.drafter, V, drafter.aux_layer_ids, fast=fast)
         runner = TargetRunner(target, proposer.aux_layer_ids, fast=fast)
-        assert isinstance(runner.skinny, SkinnyLinears) and bool(runner.skinny.linears) == fast
+        assert isinstance(runner.linears, PackedLinears) and bool(runner.linears.linears) == fast
         out = generate(runner, proposer, [5, 9, 5, 9, 5], 30, Static(3), tree=shape)
         outputs[fast] = out.tokens, [r.accepted for r in out.rounds]
         assert isinstance(proposer.cache, StaticKV if fast else KVBuffer)
