@@ -20,7 +20,7 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.cache import decoding_cache
-from draftsmith.runtime.kernels import PackedLinears
+from draftsmith.runtime.kernels import DecodeAttention, PackedLinears
 from draftsmith.runtime.policies import Fallback, Policy
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
@@ -80,6 +80,7 @@ class TargetRunner:
         # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
         self.fast = fast
         self.linears = PackedLinears(model, enabled=fast)
+        self.attention = DecodeAttention(model, enabled=fast and self.gqa)  # grouped query heads folded into rows
         self.bool_masks = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
     @property
@@ -103,7 +104,7 @@ class TargetRunner:
             mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
             extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
-                grouped_query_sdpa(self.gqa and len(tokens) > 1), self.linears:
+                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.linears:
             out = self.decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]

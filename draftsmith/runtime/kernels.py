@@ -1,4 +1,6 @@
-"""Linear layers with prepacked weights, for the few rows a decoding step multiplies on a CPU.
+"""The two kernels a decoding step spends its time in, laid out for the few rows it computes:
+linear layers on prepacked weights (a CPU), and grouped-query attention with the query heads
+that share a key head folded into rows (`DecodeAttention`, below).
 
 At batch 1 a decoding step multiplies 1 to a few dozen rows by every weight matrix of the model,
 so its time is the time it takes to stream the weights from memory. `F.linear` hands the CPU
@@ -56,7 +58,28 @@ def _forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.
     return packed_linear(x, packed, module.bias)
 
 
-class PackedLinears:
+class Switch:
+    """A nestable context that switches something on at the outermost entry and off at its exit."""
+
+    depth = 0
+
+    def on(self) -> None: ...
+
+    def off(self) -> None: ...
+
+    def __enter__(self):
+        if self.depth == 0:
+            self.on()
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.off()
+
+
+class PackedLinears(Switch):
     """`with PackedLinears(model, ...):` every plain `nn.Linear` of the modules that oneDNN can
     pack computes on its packed copy; nested uses are fine (the outermost one switches).
 
@@ -66,7 +89,6 @@ class PackedLinears:
         linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear]
         self.linears = [m for m in linears if packable(m.weight)] if enabled else []
         self.copies: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
-        self.depth = 0
 
     def packed(self, module: nn.Linear) -> torch.Tensor:
         """The module's packed weight, packed again if the weight was written since."""
@@ -77,18 +99,13 @@ class PackedLinears:
                 copy = self.copies[module] = (version, pack(module.weight))
         return copy[1]
 
-    def __enter__(self) -> "PackedLinears":
-        if self.depth == 0:
-            for m in self.linears:
-                m.forward = partial(_forward, m, self.packed(m))
-        self.depth += 1
-        return self
+    def on(self) -> None:
+        for m in self.linears:
+            m.forward = partial(_forward, m, self.packed(m))
 
-    def __exit__(self, *exc) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            for m in self.linears:
-                del m.forward
+    def off(self) -> None:
+        for m in self.linears:
+            del m.forward
 
 
 def under_packed_linears(method: Callable) -> Callable:
@@ -100,3 +117,70 @@ def under_packed_linears(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return run
+
+
+# Attention ------------------------------------------------------------------------------------------
+#
+# With grouped-query attention, transformers' SDPA path hands torch a query of H heads and keys of
+# H/g heads with `enable_gqa` whenever it has no mask, which is every one-token decoding step. On a
+# CPU, torch's bf16 kernel runs one query row per head poorly (several times what the same attention
+# costs in fp32). The g query heads that share a key head can instead be folded into g rows of one
+# head: the same attention, computed as H/g heads of g·R rows each, which the kernel runs well. A
+# mask shared by all heads is repeated per folded row.
+
+DECODE_ATTENTION = "draftsmith_decode"
+FOLD_MAX_ROWS = 8  # from here on torch's own grouped-query mode costs the same as folding
+
+
+def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention (same arguments, same result) with the query heads that share a
+    key/value head folded into rows when a few rows attend; otherwise torch's grouped-query mode."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from draftsmith.models.common import grouped_query_sdpa
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, rows, dim = query.shape
+    plain = dropout == 0.0 and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux"))
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+    if groups == 1 or not plain or not shared_mask or rows > FOLD_MAX_ROWS or (attention_mask is None and rows > 1):
+        with grouped_query_sdpa(groups > 1 and attention_mask is not None):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    folded = query.reshape(batch, heads // groups, groups * rows, dim)
+    mask = attention_mask
+    if mask is not None:  # (B, 1, R, S) → (B, 1, g·R, S), row order as in the folded query
+        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, rows, mask.shape[-1])
+        mask = mask.reshape(mask.shape[0], 1, groups * rows, mask.shape[-1])
+    out = nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
+class DecodeAttention(Switch):
+    """`with DecodeAttention(model, ...):` the modules' SDPA attention runs as `decode_attention`
+    (their configs name it for the duration of the call); nested uses are fine. Off when `enabled`
+    is False or no config of the modules uses transformers' SDPA attention."""
+
+    def __init__(self, *modules: nn.Module, enabled: bool = True):
+        configs = {id(c): c for module in modules for m in module.modules()
+                   if getattr(c := getattr(m, "config", None), "_attn_implementation", None) == "sdpa"}
+        self.configs = list(configs.values()) if enabled else []
+        if self.configs:
+            _register_decode_attention()
+
+    def on(self) -> None:
+        for config in self.configs:  # this config only (its setter would recurse into sub-configs)
+            config._attn_implementation_internal = DECODE_ATTENTION
+
+    def off(self) -> None:
+        for config in self.configs:
+            config._attn_implementation_internal = "sdpa"

@@ -135,3 +135,50 @@ def test_fast_and_reference_runtimes_decode_the_same_tokens(target, shape):
         outputs[fast] = out.tokens, [r.accepted for r in out.rounds]
         assert isinstance(proposer.cache, StaticKV if fast else KVBuffer)
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 13])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_transformers_sdpa(rows, masked, dtype):
+    """Grouped query heads folded into rows: the same attention as transformers' SDPA path with
+    every key and value repeated per head, with and without a (tree-like) mask."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    torch.manual_seed(rows)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query = torch.randn(1, 6, rows, 16, dtype=dtype)
+    key, value = torch.randn(2, 1, 2, 40 + rows, 16, dtype=dtype)
+    mask = None
+    if masked or rows > 1:  # several rows always come with a mask in a decode (a chain's or a tree's)
+        mask = torch.rand(1, 1, rows, 40 + rows) > 0.3
+        mask[..., :40] = True
+    got, _ = kernels.decode_attention(module, query, key, value, mask, scaling=0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), repeat_kv(key, 3).float(), repeat_kv(value, 3).float(), attn_mask=mask, scale=0.25).transpose(1, 2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    assert got.shape == (1, rows, 6, 16)
+
+
+def test_decode_attention_folds_the_one_token_step(target, monkeypatch):
+    """The autoregressive step runs every layer's attention as key heads × g rows (no grouped-query
+    call, no repeated keys), and gives the reference path's logits."""
+    sdpa, shapes = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: shapes.append((tuple(q.shape), kw.get("enable_gqa", False))) or sdpa(q, *a, **kw))
+    logits = {}
+    for fast in (True, False):
+        runner = TargetRunner(target, fast=fast)
+        runner.reset()
+        runner.forward([4, 8, 15, 16])
+        shapes.clear()
+        logits[fast], _, _ = runner.forward([23])
+        if fast:
+            config = target.config
+            groups = config.num_attention_heads // config.num_key_value_heads
+            head_dim = config.hidden_size // config.num_attention_heads
+            assert shapes == [((1, config.num_key_value_heads, groups, head_dim), False)] * config.num_hidden_layers
+            assert target.config._attn_implementation == "sdpa"  # switched back after the call
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
