@@ -88,24 +88,27 @@ class PackedLinears(Switch):
     def __init__(self, *modules: nn.Module, enabled: bool = True):
         linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear]
         self.linears = [m for m in linears if packable(m.weight)] if enabled else []
-        self.copies: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.forwards: dict[nn.Linear, tuple[tuple[int, int], Callable]] = {}
 
-    def packed(self, module: nn.Linear) -> torch.Tensor:
-        """The module's packed weight, packed again if the weight was written since."""
-        version = (module.weight._version, module.weight.data_ptr())
-        copy = self.copies.get(module)
-        if copy is None or copy[0] != version:
+    def forward_of(self, module: nn.Linear) -> Callable:
+        """The module's forward on its packed weight, packed again if the weight was written since."""
+        weight = module._parameters["weight"]
+        version = (weight._version, weight.data_ptr())
+        entry = self.forwards.get(module)
+        if entry is None or entry[0] != version:
             with torch.no_grad():
-                copy = self.copies[module] = (version, pack(module.weight))
-        return copy[1]
+                entry = self.forwards[module] = (version, partial(_forward, module, pack(weight)))
+        return entry[1]
 
+    # an instance attribute, as `m.forward = ...` makes it, without nn.Module's __setattr__ (this
+    # runs for every linear of the model at every forward)
     def on(self) -> None:
         for m in self.linears:
-            m.forward = partial(_forward, m, self.packed(m))
+            m.__dict__["forward"] = self.forward_of(m)
 
     def off(self) -> None:
         for m in self.linears:
-            del m.forward
+            del m.__dict__["forward"]
 
 
 def under_packed_linears(method: Callable) -> Callable:
