@@ -5,7 +5,8 @@
 
 Loads the target and the drafter once, then decodes the same MT-bench first turns greedily with
 every shape (`chainK`: static chains of K; `D,K,T`: EAGLE-2 trees of depth D, top-k K, T tokens;
-`D,K,T,L`: the same with a prompt-lookup branch of up to L tokens grafted on)
+`D,K,T,L`: the same with a prompt-lookup branch of up to L tokens grafted on; `costD,K,T[,L]`: trees
+sized every round by the cost policy within that shape, one meter per arm)
 and with the target alone, in `--passes` passes (each opens with the target alone, then runs the
 shapes, in reverse order on every other pass so that drift within a pass evens out). Speedup =
 a shape's tokens/s over the target-alone tokens/s of the same pass, median over passes. τ does not depend
@@ -39,7 +40,7 @@ def main() -> None:
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
-    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.policies import Static, TreeCost, TreeCostMeter
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import TreeShape
@@ -49,19 +50,23 @@ def main() -> None:
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     prompts = [target.encode_chat([{"role": "user", "content": p["turns"][0]}])
                for p in load_prompts("mtbench", args.limit, "first", "sharegpt")]
-    arms = {"autoregressive": (NoProposer(target.vocab_size), None, 0)}
+    arms = {"autoregressive": (NoProposer(target.vocab_size), None, lambda _: Static(0))}
     for spec in args.shapes:
         if spec.startswith("chain"):
-            arms[spec] = (proposer, None, int(spec[len("chain"):]))
+            arms[spec] = (proposer, None, lambda _, k=int(spec[len("chain"):]): Static(k))
+        elif spec.startswith("cost"):
+            meter = TreeCostMeter()
+            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec[len("cost"):].split(","))),
+                          lambda _, meter=meter: TreeCost(meter=meter))
         else:
-            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec.split(","))), 0)
+            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec.split(","))), lambda _: Static(0))
     sampling, eos = SamplingConfig(), target.eos_token_ids
     print(f"drafter: {what}; {len(prompts)} MT-bench first turns x {args.max_new_tokens} tokens, greedy, "
           f"{args.dtype}, {args.passes} passes", flush=True)
 
     def decode(name: str, limit: int | None = None, max_new: int | None = None):
-        arm, tree, k = arms[name]
-        return decode_all(runner, arm, prompts[:limit], max_new or args.max_new_tokens, lambda _: Static(k), sampling,
+        arm, tree, policy = arms[name]
+        return decode_all(runner, arm, prompts[:limit], max_new or args.max_new_tokens, policy, sampling,
                           eos, 0, tree=tree)
 
     for name in arms:  # warm-up

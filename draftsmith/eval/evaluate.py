@@ -32,7 +32,9 @@ class DecodeOptions:
             τ (draft while the classifier's confidence is at least it); omitted: the threshold and maximum
             length tuned into the export (`draftsmith tune`).
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
-            omit for chain drafts with --policy.
+            omit for chain drafts with --policy. With --policy cost (the default) the tree is the most
+            a round may draft: each round's depth, node count and lookup tokens are chosen by their
+            measured cost; any other policy drafts EAGLE-2's fixed tree of that shape.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
         head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
@@ -168,7 +170,7 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
     measured. The oracle reads `references`: each prompt's ids → (prompt + the target's greedy continuation,
     the drafter's greedy chain after each of its prefixes). specdec and disco read `stop_head`: the head and
     its export section (`models.loading.load_stop_head`)."""
-    from draftsmith.runtime.policies import HEAD_POLICIES, CostMeter, make_policy
+    from draftsmith.runtime.policies import HEAD_POLICIES, CostMeter, TreeCost, TreeCostMeter, make_policy
 
     args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
             "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
@@ -179,6 +181,9 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
         threshold, max_k = stop_settings(cfg, section)
         args = {"head": head, "threshold": threshold, "max_k": max_k}
     make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
+    if cfg.tree is not None and cfg.policy == "cost":  # trees sized by cost, one meter for the run
+        meter = TreeCostMeter()
+        return lambda prompt: TreeCost(meter=meter)
     if cfg.policy == "oracle":
         if references is None:
             raise DraftsmithError("the oracle policy needs the target's greedy continuations (evaluate computes them)")

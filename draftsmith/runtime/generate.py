@@ -21,11 +21,11 @@ from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.cache import decoding_cache
 from draftsmith.runtime.kernels import DecodeAttention, PackedLinears
-from draftsmith.runtime.policies import Fallback, Policy
+from draftsmith.runtime.policies import Fallback, Policy, TreeCost
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.targets import Rollback
-from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, tree_attention_mask, verify_tree,
+from draftsmith.runtime.tree import (DraftTree, TreeShape, graft, lookup_continuation, prune, tree_attention_mask, verify_tree,
                                      verify_tree_greedy)
 from draftsmith.runtime.verify import verify_chain, verify_greedy
 
@@ -165,23 +165,55 @@ def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], 
 
 
 def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int], shape: TreeShape, room: int,
-                sampling: SamplingConfig, generator: torch.Generator | None):
+                sampling: SamplingConfig, generator: torch.Generator | None, sizer: TreeCost | None = None):
     """Draft an EAGLE-2 tree (with a prompt-lookup branch grafted on when the shape asks), verify it
     in one target forward under the tree mask, keep the accepted path's cache entries. Same returns
-    as `_chain_round`, features of the path rows. `room`: drafted tokens that can still be committed."""
+    as `_chain_round`, features of the path rows. `room`: drafted tokens that can still be committed.
+    `sizer` (the cost policy) chooses the depth, the nodes and the lookup tokens within the shape."""
     start = runner.cached()
-    tree = proposer.propose_tree(replace(shape, depth=min(shape.depth, room)))
+    shape = replace(shape, depth=min(shape.depth, room))
+    if sizer is not None and not sizer.meter.verify:
+        most = shape.total_tokens + shape.lookup
+        sizer.meter.calibrate(lambda n: _verify_seconds(runner, sequence[-1], n),
+                              [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
+    t0 = time.perf_counter()
+    tree = proposer.propose_tree(shape, sizer.expand if sizer is not None else None)
+    seconds = time.perf_counter() - t0
+    if sizer is not None:
+        sizer.meter.levels.append(seconds / max(1, tree.max_depth))
+        tree = prune(tree, sizer.size(tree.scores, seconds))
+    drafted = len(tree)  # the drafter's nodes; a lookup branch grafted after them
     if shape.lookup:
-        tree = graft(tree, lookup_continuation(sequence, min(shape.lookup, room)))
+        branch = lookup_continuation(sequence, min(shape.lookup, room))
+        if sizer is not None and branch:
+            branch = branch[: sizer.lookup_length(len(tree), len(branch), seconds, sizer.predicted * sizer.meter.beta())]
+        tree = graft(tree, branch)
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:
         path, token = verify_tree_greedy(tree, greedy_tokens(logits))
     else:
         path, token = verify_tree(tree, distributions(logits, sampling)[1], generator)
     runner.keep_path(start, path)
+    if sizer is not None:
+        sizer.verified(sum(i < drafted for i in path), len(tree) - drafted, sum(i >= drafted for i in path))
     rows = torch.tensor([0] + [1 + i for i in path], device=final.device)
     features = (final[rows], aux[rows] if aux is not None else None)
     return tree.tokens[path].tolist(), token, features, (len(tree), tree.max_depth)
+
+
+def _verify_seconds(runner: TargetRunner, root: int, n: int) -> float:
+    """Seconds of one verification forward over `root` and a chain of n nodes under a tree mask,
+    rolled back after (what the cost policy prices a tree's rows by)."""
+    start, device = runner.cached(), runner.device
+    chain = DraftTree(tokens=torch.full((n,), root, dtype=torch.long, device=device),
+                      parents=torch.arange(-1, n - 1, device=device), depth=torch.arange(1, n + 1, device=device),
+                      scores=torch.zeros(n, device=device)) if n else None
+    t0 = time.perf_counter()
+    logits, _, _ = runner.forward([root] * (n + 1), chain)
+    float(logits[-1, 0])  # waits for a GPU to finish
+    seconds = time.perf_counter() - t0
+    runner.rollback(runner.cached() - start)
+    return seconds
 
 
 @torch.no_grad()
@@ -218,7 +250,7 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
                 runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
             accepted, token, (final, aux), (k, depth) = _tree_round(
-                runner, proposer, sequence, tree, room, sampling, generator)
+                runner, proposer, sequence, tree, room, sampling, generator, policy if isinstance(policy, TreeCost) else None)
         new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
             if x in eos_token_ids:

@@ -8,6 +8,7 @@ decoding stays lossless whatever they decide. `end_round` tells it what was acce
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -290,6 +291,142 @@ class CostAware:
         self.meter.add(drafted, accepted, seconds, after_plain=self.plain_streak > 0)
         self._round_end = now
         self.plain_streak = 0 if drafted else self.plain_streak + 1
+
+
+class TreeCostMeter:
+    """What a tree round costs and how well the drafter's path probabilities predict what is
+    accepted, measured while decoding; one meter serves every generation of a run.
+
+    Verification: the seconds of one target forward over the root and n tree nodes, timed once
+    for a grid of n (`calibrate`) and interpolated between. Drafting: the seconds of one tree level
+    (a drafter forward over the expanded nodes), the median of the recent rounds. Acceptance: a
+    node's chance of being accepted is modelled as β·e^score, e^score the product of the drafter's
+    probabilities along its path (what EAGLE-2 ranks by) and β = accepted / Σ e^score over the
+    recent rounds, which corrects a drafter that is over- or under-confident. A prompt-lookup
+    branch has no drafter probabilities: its j-th grafted token is priced by how often the
+    branches so far were accepted that far (starting from one in two).
+    """
+
+    def __init__(self, window: int = 32):
+        self.verify: dict[int, float] = {}  # n nodes → seconds of the forward over root + n nodes
+        self.levels: deque[float] = deque(maxlen=window)  # seconds of one drafted level
+        self.predictions: deque[tuple[float, int]] = deque(maxlen=window)  # (Σ e^score of the kept nodes, accepted)
+        self.lookup: list[list[int]] = []  # [reached, offered] per grafted depth j
+
+    def calibrate(self, forward: Callable[[int], float], sizes: Sequence[int], repeats: int = 2) -> None:
+        """Time `forward(n)` (seconds of a verification over n nodes) for each n; the fastest of `repeats`."""
+        for n in sorted(set(sizes)):
+            self.verify[n] = min(forward(n) for _ in range(repeats))
+
+    def verify_seconds(self, n: int) -> float:
+        """Seconds to verify n nodes, linear between the calibrated sizes and beyond the largest."""
+        sizes = sorted(self.verify)
+        if not sizes:
+            raise DraftsmithError("TreeCostMeter.verify_seconds before calibrate")
+        lo = max((m for m in sizes if m <= n), default=sizes[0])
+        hi = min((m for m in sizes if m > lo), default=None)
+        if hi is None:  # past the grid: the last slope
+            below = [m for m in sizes if m < lo]
+            if not below:
+                return self.verify[lo]
+            hi, lo = lo, below[-1]
+        return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (n - lo) / (hi - lo)
+
+    def level_seconds(self) -> float | None:
+        return statistics.median(self.levels) if self.levels else None
+
+    def beta(self) -> float:
+        predicted = sum(p for p, _ in self.predictions)
+        return min(2.0, max(0.05, sum(a for _, a in self.predictions) / predicted)) if predicted > 0 else 1.0
+
+    def lookup_chance(self, j: int) -> float:
+        reached, offered = self.lookup[j] if j < len(self.lookup) else (0, 0)
+        return (reached + 1) / (offered + 2)
+
+    def add_lookup(self, offered: int, reached: int) -> None:
+        while len(self.lookup) < offered:
+            self.lookup.append([0, 0])
+        for j in range(offered):
+            self.lookup[j][1] += 1
+            self.lookup[j][0] += j < reached
+
+
+@dataclass
+class TreeCost:
+    """`--policy cost` with `--tree`: every round's tree is sized by what its nodes are expected to
+    buy. The tree shape gives the most it may draft (depth, top-k, nodes); within it a round
+
+    - drafts one more level only while the most the level can add, β·Σ e^score over the nodes
+      it expands (a parent's children share at most its probability), pays for what the level
+      costs at the round's best rate so far: a drafter forward plus verifying top-k more nodes;
+    - keeps the n best nodes that maximise the expected tokens per second,
+      (1 + β·Σ_{i≤n} e^score_i) / (draft seconds + verify seconds(n));
+    - keeps a grafted prompt-lookup token while its chance of being reached pays for its row.
+
+    EAGLE-2's fixed tree is the special case of one fixed n and depth. The stop decisions read
+    only the draft, so decoding stays exactly lossless."""
+
+    meter: TreeCostMeter = field(default_factory=TreeCostMeter, repr=False)
+    name: str = "cost"
+    predicted: float = field(default=0.0, repr=False)  # Σ e^score of this round's kept drafter nodes
+
+    def max_tokens(self) -> int:  # a round with no room for a tree is a plain step
+        return 0
+
+    def keep_going(self, step: DraftStep) -> bool:
+        return False
+
+    def _best(self, values: list[float], draft_seconds: float) -> tuple[int, float]:
+        """(n, rate) for the n ≥ 1 best of `values` (sorted, largest first) with the highest expected
+        tokens per second."""
+        best, gained = (0, 1.0 / (draft_seconds + self.meter.verify_seconds(0))), 1.0
+        for n, v in enumerate(values, 1):
+            gained += v
+            rate = gained / (draft_seconds + self.meter.verify_seconds(n))
+            if n == 1 or rate > best[1]:
+                best = (n, rate)
+        return best
+
+    def expand(self, levels: int, scores: list[float], expanding: list[float]) -> bool:
+        """Before drafting level `levels` + 1: `scores` of every node drafted so far, `expanding` of the
+        nodes the level would expand."""
+        level = self.meter.level_seconds()
+        if level is None:  # not timed yet: the full shape
+            return True
+        beta = self.meter.beta()
+        values = sorted((beta * math.exp(s) for s in scores), reverse=True)
+        n, rate = self._best(values, levels * level)
+        added = level + self.meter.verify_seconds(n + len(expanding)) - self.meter.verify_seconds(n)
+        return beta * sum(math.exp(s) for s in expanding) >= rate * added
+
+    def size(self, scores: torch.Tensor, draft_seconds: float) -> int:
+        """How many of a drafted tree's best nodes (scores (n,)) to verify."""
+        beta = self.meter.beta()
+        values = sorted((beta * math.exp(s) for s in scores.tolist()), reverse=True)
+        n, _ = self._best(values, draft_seconds)
+        self.predicted = sum(values[:n]) / beta
+        return n
+
+    def lookup_length(self, nodes: int, offered: int, draft_seconds: float, drafted_values: float) -> int:
+        """How many of `offered` grafted lookup tokens to keep on a tree of `nodes` nodes whose
+        expected accepted tokens are `drafted_values`."""
+        gained, seconds = 1.0 + drafted_values, draft_seconds + self.meter.verify_seconds(nodes)
+        keep = 0
+        for j in range(offered):
+            row = self.meter.verify_seconds(nodes + j + 1) - self.meter.verify_seconds(nodes + j)
+            if self.meter.lookup_chance(j) < (gained / seconds) * row:
+                break
+            gained, seconds, keep = gained + self.meter.lookup_chance(j), seconds + row, j + 1
+        return keep
+
+    def verified(self, accepted: int, lookup_offered: int, lookup_reached: int) -> None:
+        """What verification kept: `accepted` of the drafter's nodes, and how far down the
+        `lookup_offered` grafted tokens it got."""
+        self.meter.predictions.append((self.predicted, accepted))
+        self.meter.add_lookup(lookup_offered, lookup_reached)
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        pass
 
 
 @dataclass

@@ -48,11 +48,16 @@ class Proposer(Protocol):
         ...
 
 
+# expand(levels drafted, scores of every node so far, scores of the nodes the next level would
+# expand) → whether to draft that level (TreeCost.expand)
+Expand = Callable[[int, list[float], list[float]], bool]
+
+
 @runtime_checkable
 class TreeProposer(Proposer, Protocol):
     """A proposer that can also draft EAGLE-2 trees."""
 
-    def propose_tree(self, shape: TreeShape) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, expand: Expand | None = None) -> DraftTree:
         ...
 
 
@@ -245,10 +250,11 @@ class FeatureProposer:
 
     @torch.no_grad()
     @under_packed_linears
-    def propose_tree(self, shape: TreeShape) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, expand: Expand | None = None) -> DraftTree:
         """An EAGLE-2 dynamic tree: expand the `topk` best frontier nodes per level in one drafter
         forward each; every expanded node's keys go to the buffer after the real anchors and are
-        seen only by its descendants. `observe` crops them away next round."""
+        seen only by its descendants. `observe` crops them away next round. `expand`, asked before
+        each level after the first, may stop the tree short of `shape.depth`."""
         device = self.hidden.device
         candidates: list[tuple[int, int, float, int]] = []  # (token, parent candidate, score, depth)
         ancestors: dict[int, tuple[int, ...]] = {}  # strict ancestors of each candidate
@@ -271,6 +277,8 @@ class FeatureProposer:
         expanded: list[int] = []  # candidate behind each speculative buffer entry, in order
         for depth in range(2, shape.depth + 1):
             nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
+            if expand is not None and not expand(depth - 1, [c[2] for c in candidates], [candidates[c][2] for c in nodes]):
+                break
             m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
             mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool, device=device)
             mask[..., : self.anchors] = True

@@ -145,6 +145,15 @@ def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int,
                      scores=torch.tensor([candidates[c][2] for c in nodes], dtype=torch.float32, device=device))
 
 
+def prune(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's `n` best drafted nodes (by score, ties to the shallower, closed under ancestors),
+    breadth-first as `build_tree` orders them; the tree itself when it has no more than n."""
+    if n >= len(tree):
+        return tree
+    candidates = list(zip(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(), tree.depth.tolist()))
+    return build_tree(candidates, n, tree.tokens.device)
+
+
 def lookup_continuation(sequence: list[int], max_tokens: int, min_match: int = 2, max_match: int = 4) -> list[int]:
     """Up to `max_tokens` tokens that followed the latest earlier occurrence of the sequence's last
     `min_match`..`max_match` tokens (the longest such ending wins, then the latest occurrence); []

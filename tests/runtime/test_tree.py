@@ -138,7 +138,7 @@ def test_tree_drafts_from_a_perfect_drafter_accept_a_full_depth(target):
             self.seen = self.seen + list(next_tokens)
             super().observe(next_tokens, final, aux)
 
-        def propose_tree(self, shape):
+        def propose_tree(self, shape, expand=None):
             seq, cands, parent = list(self.seen), [], -1
             for d in range(1, shape.depth + 1):
                 token = int(target(torch.tensor([seq])).logits[0, -1].argmax())
@@ -252,7 +252,7 @@ def test_prompt_lookup_branch_is_accepted_as_far_as_it_agrees(target):
             self.seen = self.seen + list(next_tokens)
             super().observe(next_tokens, final, aux)
 
-        def propose_tree(self, shape):  # seen = the sequence after its first token
+        def propose_tree(self, shape, expand=None):  # seen = the sequence after its first token
             token = int(target(torch.tensor([prompt[:1] + self.seen])).logits[0, -1].argmax())
             return build_tree([((token + 1) % V, -1, -1.0, 1)], 1, torch.device("cpu"))
 
