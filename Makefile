@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml Makefile
 # The main job on the embedded default: extract → fit → export → eval, then the τ/speedup table.
 demo: setup
 	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
-	  --max_new_tokens 96 --tree 3,4,8
+	  --max_new_tokens 96 --tree 6,8,32 --lookup 6
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compile", action="store_true", help="the target's decoder through torch.compile (the warm-up compiles)")
     args = ap.parse_args()
     if not (Path(args.drafter) / "config.json").is_file():
         raise SystemExit(f"no drafter export at {args.drafter}: run `draftsmith run RECIPE` or `draftsmith export`")
@@ -47,7 +49,7 @@ def main() -> None:
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
     proposer, what = load_proposer(args.drafter, target)
-    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=args.compile)
     prompts = [target.encode_chat([{"role": "user", "content": p["turns"][0]}])
                for p in load_prompts("mtbench", args.limit, "first", "sharegpt")]
     arms = {"autoregressive": (NoProposer(target.vocab_size), None, lambda _: Static(0))}
@@ -62,15 +64,17 @@ def main() -> None:
             arms[spec] = (proposer, TreeShape(*(int(x) for x in spec.split(","))), lambda _: Static(0))
     sampling, eos = SamplingConfig(), target.eos_token_ids
     print(f"drafter: {what}; {len(prompts)} MT-bench first turns x {args.max_new_tokens} tokens, greedy, "
-          f"{args.dtype}, {args.passes} passes", flush=True)
+          f"{args.dtype}, {args.passes} passes{', decoder compiled' if args.compile else ''}", flush=True)
 
     def decode(name: str, limit: int | None = None, max_new: int | None = None):
         arm, tree, policy = arms[name]
         return decode_all(runner, arm, prompts[:limit], max_new or args.max_new_tokens, policy, sampling,
                           eos, 0, tree=tree)
 
-    for name in arms:  # warm-up
+    start = time.perf_counter()
+    for name in arms:  # warm-up (and compilation)
         decode(name, 1, 16)
+    print(f"warm-up {time.perf_counter() - start:.0f} s", flush=True)
 
     def rate(results) -> float:
         return sum(len(r.tokens) for r in results) / sum(r.seconds for r in results)

@@ -14,6 +14,7 @@ native export instead. Cache: `--context` tokens.
 
     python benchmarks/round_cost.py [--drafter DIR] [--context 400] [--chains 3,4]
                                     [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30] [--dtype float32]
+                                    [--compile]
 
 Ends with `RESULT ar_ms=... ar_ms_reference=... ratio_<shape>=<round / AR step>
 ratio_<shape>_reference=...`.
@@ -22,6 +23,9 @@ ratio_<shape>_reference=...`.
 the first chain and the first tree of each runtime: milliseconds per round in matrix products,
 attention, KV-cache copies, other tensor ops, and what no tensor op accounts for (Python,
 transformers' module calls, tree bookkeeping).
+
+`--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
+torch.compile, inductor, weights frozen); the reference path stays eager.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
+    ap.add_argument("--compile", action="store_true",
+                    help="time the runtime with its decoder compiled (torch.compile, inductor); the reference stays eager")
     args = ap.parse_args()
 
     from draftsmith.eval.evaluate import EvalConfig
@@ -122,7 +128,7 @@ def main() -> None:
     def time_runtime(fast: bool) -> list[tuple[str, int, float, float]]:
         """Rows (shape, verified tokens, draft ms, verify ms) of one runtime."""
         proposer = FeatureProposer(drafter, target.vocab_size, layer_ids, fast=fast)
-        runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast)
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
         with torch.no_grad():
             runner.reset()
             _, final, aux = runner.forward(prompt, last_logits=True)
@@ -165,8 +171,14 @@ def main() -> None:
                 print(f"profile {label:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
         return rows
 
-    rows, reference = time_runtime(True), time_runtime(False)
-    print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}")
+    start = time.perf_counter()
+    rows = time_runtime(True)
+    runtime_s = time.perf_counter() - start
+    reference = time_runtime(False)
+    reference_s = time.perf_counter() - start - runtime_s
+    compiled = (f"; decoder compiled: the runtime's arm took {runtime_s:.0f} s in all against the reference's "
+                f"{reference_s:.0f} s, the difference being mostly compilation") if args.compile else ""
+    print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}{compiled}")
     print(f"{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
           f"{'τ for 1.5x':>12}{'reference round/AR':>20}")
     ar, ar_reference = rows[0][3], reference[0][3]

@@ -10,6 +10,7 @@ alternating; medians. Speedup = method tok/s / autoregressive tok/s from the sam
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
@@ -86,9 +87,11 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
     arms = {"autoregressive": baseline, "method": proposer}
     trees = {"autoregressive": None, "method": tree}  # the baseline drafts nothing
     rules = {"autoregressive": None, "method": rule}
+    start = time.perf_counter()
     for name, arm in arms.items():  # warm-up: first calls allocate and compile
         decode_all(runner, arm, prompts[:1], min(16, max_new_tokens), make_policy, sampling, eos, seed, tree=trees[name],
                    rule=rules[name])
+    warmup = time.perf_counter() - start
     runs: dict[str, list[list[GenerationResult]]] = {"autoregressive": [], "method": []}
     for r in range(repeats):
         for name, arm in arms.items():
@@ -113,7 +116,7 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
         "acceptance": {**acceptance_stats(method_results),
                        "draft_vocab_coverage": draft_vocab_coverage(runs["method"][0], proposer.draftable)},
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
-                  "repeats": repeats},
+                  "repeats": repeats, "warmup_seconds": warmup},
         "per_category": dict(per_category),
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),

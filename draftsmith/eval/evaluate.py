@@ -39,6 +39,9 @@ class DecodeOptions:
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
         head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
             head computed over those rows only (exports carry the counts); 0 = the full head.
+        compile: run the target's decoder through torch.compile (inductor; each kind of forward compiles at
+            its first call, minutes on a small CPU, then inductor's on-disk cache serves later runs); the
+            warm-up absorbs the compile, and the report gives its time.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -68,6 +71,7 @@ class DecodeOptions:
     tree: str | None = None
     lookup: int = 0
     head_vocab: int = 8192
+    compile: bool = False
     dtype: str = "bfloat16"
     device: str = "cpu"
     repeats: int = 3
@@ -226,7 +230,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    runner = TargetRunner(target.model, proposer.aux_layer_ids)
+    runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
     tok = target.tokenizer
     eos = target.eos_token_ids
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit)

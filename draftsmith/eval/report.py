@@ -82,10 +82,13 @@ def table(results: dict[str, Any]) -> Any:
               f"{speed['autoregressive']['tokens_per_second']:.1f}", f"[bold]{speed['speedup']:.2f}x")
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
     lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
-    drafts = f"tree {results['config']['tree']}{lookup} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
+    sized = "sized by cost within " if results["config"].get("policy") == "cost" else ""
+    drafts = f"tree {sized}{results['config']['tree']}{lookup} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
         if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
     t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")
+    if results["config"].get("compile") and speed.get("warmup_seconds") is not None:
+        t.caption += f"  compiled: warm-up (compiling) {speed['warmup_seconds']:.0f} s"
     if acc.get("draft_vocab_coverage") is not None:
         t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
     config = results["config"]

@@ -10,6 +10,7 @@ Notation: P prompt length, K drafted tokens, V vocab, H hidden.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -67,7 +68,7 @@ class TargetRunner:
     """A transformers causal LM with its KV cache: forward, read features, roll back."""
 
     def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None,
-                 fast: bool = True):
+                 fast: bool = True, compile: bool = False):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -79,13 +80,28 @@ class TargetRunner:
         # `fast`: preallocated KV slabs (runtime/cache.py) and, on a CPU, prepacked linear weights (runtime/kernels.py);
         # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
         self.fast = fast
+        # `compile`: forwards without a tree run the decoder through torch.compile (inductor with the
+        # weights frozen into the graph, as the target never trains here; inductor packs them itself,
+        # so the packed linears cover the head, and the decoder only in eager tree forwards, where
+        # inductor's attention under a tree mask was slower). Each kind of forward (a prefill, one
+        # token, several) compiles at its first call; inductor caches the code on disk for later runs.
+        self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if compile else self.decoder
         self.linears = PackedLinears(model, enabled=fast)
+        self.head_linears = PackedLinears(self.head, enabled=fast and compile)  # around a compiled decoder
         self.attention = DecodeAttention(model, enabled=fast and self.gqa)  # grouped query heads folded into rows
         self.bool_masks = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
+
+    def compiling(self, decoder: Any) -> Any:
+        """Inductor's settings while a compiled forward may compile: weights frozen into the graph."""
+        if decoder is self.decoder:
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor
+
+        return inductor.patch(freezing=True)
 
     def reset(self) -> None:
         self.cache = decoding_cache(self.model.config, preallocated=self.fast)
@@ -103,10 +119,12 @@ class TargetRunner:
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
             mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
             extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
+        decoder = self.decoder if tree is not None else self.decoder_call  # compiled tree forwards measured slower
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
-                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.linears:
-            out = self.decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
-                               output_hidden_states=captured.fallback, **extra)
+                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, \
+                self.linears if decoder is self.decoder else self.head_linears, self.compiling(decoder):
+            out = decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
+                          output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]
             logits = self.head(final[-1:] if last_logits else final)
         hidden = captured.collect(out)

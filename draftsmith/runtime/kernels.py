@@ -147,8 +147,11 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, rows, dim = query.shape
     plain = dropout == 0.0 and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux"))
-    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-    if groups == 1 or not plain or not shared_mask or rows > FOLD_MAX_ROWS or (attention_mask is None and rows > 1):
+    if attention_mask is None:
+        foldable = rows == 1 and query.dtype != torch.float32  # one fp32 row: torch's own kernel runs it well
+    else:
+        foldable = attention_mask.shape[1] == 1 and rows <= FOLD_MAX_ROWS  # one mask for every head
+    if groups == 1 or not plain or not foldable:
         with grouped_query_sdpa(groups > 1 and attention_mask is not None):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     folded = query.reshape(batch, heads // groups, groups * rows, dim)
