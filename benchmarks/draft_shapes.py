@@ -56,12 +56,11 @@ def main() -> None:
     for spec in args.shapes:
         if spec.startswith("chain"):
             arms[spec] = (proposer, None, lambda _, k=int(spec[len("chain"):]): Static(k))
-        elif spec.startswith("cost"):
-            meter = TreeCostMeter()
-            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec[len("cost"):].split(","))),
-                          lambda _, meter=meter: TreeCost(meter=meter))
         else:
-            arms[spec] = (proposer, TreeShape(*(int(x) for x in spec.split(","))), lambda _: Static(0))
+            shape = TreeShape(*(int(x) for x in spec.removeprefix("cost").split(",")))
+            sized = spec.startswith("cost")
+            arms[spec] = (proposer, shape, (lambda _, meter=TreeCostMeter(): TreeCost(meter=meter)) if sized
+                          else (lambda _: Static(0)))
     sampling, eos = SamplingConfig(), target.eos_token_ids
     print(f"drafter: {what}; {len(prompts)} MT-bench first turns x {args.max_new_tokens} tokens, greedy, "
           f"{args.dtype}, {args.passes} passes{', decoder compiled' if args.compile else ''}", flush=True)

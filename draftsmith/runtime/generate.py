@@ -82,12 +82,12 @@ class TargetRunner:
         self.fast = fast
         # `compile`: forwards without a tree run the decoder through torch.compile (inductor with the
         # weights frozen into the graph, as the target never trains here; inductor packs them itself,
-        # so the packed linears cover the head, and the decoder only in eager tree forwards, where
-        # inductor's attention under a tree mask was slower). Each kind of forward (a prefill, one
-        # token, several) compiles at its first call; inductor caches the code on disk for later runs.
+        # so the decoder's packed linears serve only eager tree forwards, where inductor's attention
+        # under a tree mask was slower). Each kind of forward (a prefill, one token, several) compiles
+        # at its first call; inductor caches the code on disk for later runs.
         self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if compile else self.decoder
-        self.linears = PackedLinears(model, enabled=fast)
-        self.head_linears = PackedLinears(self.head, enabled=fast and compile)  # around a compiled decoder
+        self.linears = PackedLinears(self.decoder, enabled=fast)
+        self.head_linears = PackedLinears(self.head, enabled=fast)
         self.attention = DecodeAttention(model, enabled=fast and self.gqa)  # grouped query heads folded into rows
         self.bool_masks = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
@@ -121,8 +121,8 @@ class TargetRunner:
             extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
         decoder = self.decoder if tree is not None else self.decoder_call  # compiled tree forwards measured slower
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
-                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, \
-                self.linears if decoder is self.decoder else self.head_linears, self.compiling(decoder):
+                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.head_linears, \
+                self.linears if decoder is self.decoder else contextlib.nullcontext(), self.compiling(decoder):
             out = decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                           output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]
@@ -204,7 +204,7 @@ def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int
     if shape.lookup:
         branch = lookup_continuation(sequence, min(shape.lookup, room))
         if sizer is not None and branch:
-            branch = branch[: sizer.lookup_length(len(tree), len(branch), seconds, sizer.predicted * sizer.meter.beta())]
+            branch = branch[: sizer.lookup_length(len(tree), len(branch), seconds)]
         tree = graft(tree, branch)
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:

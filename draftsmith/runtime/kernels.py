@@ -29,6 +29,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from draftsmith.models.common import grouped_query_sdpa
 
 ROWS_HINT = 16  # the row count oneDNN tunes the blocked layout for; any count runs on it
 
@@ -140,10 +143,6 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention (same arguments, same result) with the query heads that share a
     key/value head folded into rows when a few rows attend; otherwise torch's grouped-query mode."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from draftsmith.models.common import grouped_query_sdpa
-
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, rows, dim = query.shape
     plain = dropout == 0.0 and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux"))

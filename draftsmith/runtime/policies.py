@@ -407,10 +407,10 @@ class TreeCost:
         self.predicted = sum(values[:n]) / beta
         return n
 
-    def lookup_length(self, nodes: int, offered: int, draft_seconds: float, drafted_values: float) -> int:
-        """How many of `offered` grafted lookup tokens to keep on a tree of `nodes` nodes whose
-        expected accepted tokens are `drafted_values`."""
-        gained, seconds = 1.0 + drafted_values, draft_seconds + self.meter.verify_seconds(nodes)
+    def lookup_length(self, nodes: int, offered: int, draft_seconds: float) -> int:
+        """How many of `offered` grafted lookup tokens to keep on the tree `size` chose (`nodes` nodes,
+        β·`predicted` tokens expected from them)."""
+        gained, seconds = 1.0 + self.predicted * self.meter.beta(), draft_seconds + self.meter.verify_seconds(nodes)
         keep = 0
         for j in range(offered):
             row = self.meter.verify_seconds(nodes + j + 1) - self.meter.verify_seconds(nodes + j)

@@ -73,10 +73,10 @@ def test_lookup_tokens_are_kept_while_their_chance_pays():
     meter = meter_with(lambda n: 1.0 + 0.2 * n)
     meter.add_lookup(offered=4, reached=2)
     meter.add_lookup(offered=4, reached=2)  # chances 3/4, 3/4, 1/4, 1/4
-    policy = TreeCost(meter=meter)
-    assert policy.lookup_length(nodes=2, offered=4, draft_seconds=0.1, drafted_values=0.5) == 2
+    policy = TreeCost(meter=meter, predicted=0.5)  # β = 1: 0.5 tokens expected from the drafter's nodes
+    assert policy.lookup_length(nodes=2, offered=4, draft_seconds=0.1) == 2
     cheap = meter_with(lambda n: 1.0)
-    assert TreeCost(meter=cheap).lookup_length(2, 4, 0.1, 0.5) == 4
+    assert TreeCost(meter=cheap, predicted=0.5).lookup_length(2, 4, 0.1) == 4
 
 
 def test_prune_keeps_the_best_ancestor_closed_nodes():
