@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import yaml
 from draftsmith import DraftsmithError
 from draftsmith.extract import ExtractConfig, extract
 from tests.conftest import run_cli, sample_chats, save_tiny_target
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def tiny_features(tmp_path_factory):
     return root
 
 
-def recipe(root, tmp_path, **model):
+def recipe(root, tmp_path, callbacks=None, **model):
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
@@ -34,9 +37,10 @@ def recipe(root, tmp_path, **model):
                     "default_root_dir": str(tmp_path / "run"),
                     "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
                                "init_args": {"save_dir": str(tmp_path / "run"), "name": "logs", "version": 0}},
-                    "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                                   "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"), "save_last": True,
-                                                 "every_n_train_steps": 1, "save_top_k": -1}}]},
+                    "callbacks": callbacks or [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                                "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"),
+                                                              "save_last": True, "every_n_train_steps": 1,
+                                                              "save_top_k": -1}}]},
         "model": {"class_path": "draftsmith.train.drafter.DrafterModule",
                   "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
                                 "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
@@ -108,6 +112,32 @@ def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_p
     assert a.keys() == b.keys() and a
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_shipped_recipe_killed_between_validations_resumes_from_its_last_steps(tiny_features, tmp_path):
+    """A recipe's last.ckpt follows the steps, not the best validation: killed at step 4, with validations
+    at steps 3 and 6 and last.ckpt every 2 steps, the run resumes at step 4 and keeps its best record."""
+    from draftsmith.export.checkpoint import best_checkpoint
+
+    shipped = yaml.safe_load((ROOT / "recipes/smollm2-135m/hass-cpu.yaml").read_text())["trainer"]["callbacks"]
+    callbacks = [cb for cb in shipped if cb["class_path"].endswith("ModelCheckpoint")]
+    assert len(callbacks) == 2
+    for cb in callbacks:
+        cb["init_args"]["dirpath"] = str(tmp_path / "run" / "ckpt")
+        if "every_n_train_steps" in cb["init_args"]:
+            cb["init_args"]["every_n_train_steps"] = 2
+    path = recipe(tiny_features, tmp_path, callbacks=callbacks)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(path), "--trainer.max_steps", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    ckpt_dir = tmp_path / "run" / "ckpt"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["best-step=3.ckpt", "last.ckpt"]
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 8
+    assert not list(ckpt_dir.glob("last-v*.ckpt"))
+    assert best_checkpoint(tmp_path / "run").name in {"best-step=3.ckpt", "best-step=6.ckpt"}
 
 
 @pytest.mark.slow
