@@ -1,17 +1,18 @@
 """τ and wall-clock speedup of a drafter on MT-bench, greedy and temperature 1, one run.
 
     python benchmarks/speedup.py [--drafter DIR] [--limit 80] [--max-new-tokens 256]
-                                 [--tree 4,4,12 | --tree chain --k 4] [--lookup 6] [--temperatures 0,1]
-                                 [--repeats 1]
+                                 [--tree 6,8,32 | --tree chain --k 4] [--policy cost|static] [--lookup 6]
+                                 [--temperatures 0,1] [--repeats 1]
 
 DIR is a native export (default: the hass-cpu-full recipe's, written by
 `draftsmith run recipes/smollm2-135m/hass-cpu-full.yaml`). Both arms use the same dtype.
-Drafts EAGLE-2 dynamic trees 4,4,12 with a prompt-lookup branch of up to 6 tokens by default (the
-best of chains, 4,4,12 and 5,6,24, each with and without lookup, in `draft_shapes.py` here; `--lookup 0`
-for the drafter alone, `--tree chain` for chains of `--k`). One run means one pass of
-each arm over the prompts (`--repeats 1`): 80 prompts x 256 tokens already average ~20k
-tokens per arm. Ends with `RESULT tau=... speedup=...` (and `tau_t1=... speedup_t1=...`
-when temperature 1 is run).
+Drafts EAGLE-2 dynamic trees of at most depth 6, top-8 and 32 nodes, each round's tree sized by the
+`cost` policy (measured verification and drafting cost against the drafter's calibrated path
+probabilities), with a prompt-lookup branch of up to 6 tokens priced the same way; `--policy static`
+keeps EAGLE-2's fixed tree of the given shape (e.g. `--tree 4,4,12`), `--lookup 0` drafts with the
+drafter alone, `--tree chain` drafts chains of `--k`. One run means one pass of each arm over the
+prompts (`--repeats 1`): 80 prompts x 256 tokens already average ~20k tokens per arm. Ends with
+`RESULT tau=... speedup=...` (and `tau_t1=... speedup_t1=...` when temperature 1 is run).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--tree", default="4,4,12", help="DEPTH,TOPK,TOKENS, or 'chain'")
+    ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS, or 'chain'")
     ap.add_argument("--lookup", type=int, default=6,
                     help="a prompt-lookup branch of up to N tokens on every tree (0: off)")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--policy", default="static")
+    ap.add_argument("--policy", default="cost", help="cost: size each tree by measured cost; static: the fixed tree")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
