@@ -38,6 +38,19 @@ def _checkpoint_state(path: Path) -> dict[str, Any]:
         raise DraftsmithError(f"{path}: not a checkpoint draftsmith can read safely ({type(e).__name__}: {e})") from None
 
 
+def monitored_records(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states a checkpoint holds of its run's monitored ModelCheckpoints (monitor, best_model_path,
+    best_model_score, best_k_models, ...), in callback order; unmonitored ones (last.ckpt by steps) left out."""
+    return [v for k, v in ckpt.get("callbacks", {}).items()
+            if k.startswith("ModelCheckpoint") and isinstance(v, dict) and v.get("monitor")]
+
+
+def best_scores(ckpt: dict[str, Any]) -> dict[str, float]:
+    """Each monitored ModelCheckpoint's best score so far, by its callback state key."""
+    return {k: float(v["best_model_score"]) for k, v in ckpt.get("callbacks", {}).items()
+            if isinstance(v, dict) and v.get("best_model_score") is not None}
+
+
 def best_checkpoint(run_dir: str | Path) -> Path:
     """The checkpoint Lightning's ModelCheckpoint recorded as best in the run's newest checkpoint;
     the newest checkpoint itself when no monitored ModelCheckpoint ran."""
@@ -46,10 +59,7 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     if not found:
         raise DraftsmithError(f"no checkpoint (*.ckpt) under {run_dir}; train first (`draftsmith fit --config RECIPE`)")
     newest = max(found, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"))
-    state = _checkpoint_state(newest)
-    records = [v for k, v in state.get("callbacks", {}).items()
-               if k.startswith("ModelCheckpoint") and isinstance(v, dict) and v.get("monitor")
-               and v.get("best_model_path")]
+    records = [v for v in monitored_records(_checkpoint_state(newest)) if v.get("best_model_path")]
     if not records:
         return newest
     recorded = Path(records[0]["best_model_path"])

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.export.checkpoint import monitored_records
 
 LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -68,14 +69,11 @@ def provenance(ckpt: dict[str, Any]) -> dict[str, Any]:
     ModelCheckpoint recorded for it (its monitor, val/tau for drafters: the τ̂ it was chosen by), so
     that a served drafter can be traced to its run and two exports of one run told apart."""
     score, monitor = None, None
-    for name, state in ckpt.get("callbacks", {}).items():
-        if not (name.startswith("ModelCheckpoint") and isinstance(state, dict) and state.get("monitor")):
-            continue
+    for state in monitored_records(ckpt)[:1]:
         monitor = state["monitor"]
         recorded = {Path(k).name: v for k, v in (state.get("best_k_models") or {}).items()}
         value = recorded.get(Path(ckpt["path"]).name, state.get("current_score"))
         score = None if value is None else float(value)
-        break
     return {"checkpoint": str(Path(ckpt["path"]).resolve()), "global_step": ckpt.get("global_step"),
             "epoch": ckpt.get("epoch"), "monitor": monitor, "score": score,
             "val_tau": score if monitor == "val/tau" else None}

@@ -14,7 +14,7 @@ from draftsmith import DraftsmithError
 
 
 def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]:
-    from draftsmith.export.checkpoint import module_from_checkpoint
+    from draftsmith.export.checkpoint import best_scores, module_from_checkpoint
     from draftsmith.models.heads import head_config
     from draftsmith.models.loading import load_proposer, load_stop_head, native_config_path, stop_head_mismatch, update_stop_heads
     from draftsmith.models.target import load_target
@@ -26,9 +26,7 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
     native_config_path(out)  # refuses a directory that is not a native drafter export
     module = module_from_checkpoint(ckpt)
     run = ckpt["draftsmith"]["labels_run"]
-    callbacks = ckpt.get("callbacks", {})
-    best = {k: float(v["best_model_score"]) for k, v in callbacks.items()
-            if isinstance(v, dict) and v.get("best_model_score") is not None}
+    best = best_scores(ckpt)
     section = {"head": head_config(module.head), "target": run["target"], "drafter": run["drafter"],
                "label": module.hparams.label,
                "labels": {k: run[k] for k in ("k_max", "top_k", "chain", "data", "max_positions")},

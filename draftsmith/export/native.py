@@ -12,15 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.export.checkpoint import best_scores
 from draftsmith.export.common import provenance, sizes
 from draftsmith.models.loading import NATIVE_FORMAT, STANDALONE_FILE, TOKEN_COUNTS
 
 
 def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
     kind = ckpt["draftsmith"]["kind"]
-    callbacks = ckpt.get("callbacks", {})
-    best = {k: float(v["best_model_score"]) for k, v in callbacks.items()
-            if isinstance(v, dict) and v.get("best_model_score") is not None}
+    best = best_scores(ckpt)
     config = {
         "format": NATIVE_FORMAT, "kind": kind, "target": module.identity,
         "layer_convention": "hf_output_hidden_states",  # id i = output_hidden_states[i]
