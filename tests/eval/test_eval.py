@@ -56,7 +56,8 @@ def test_eval_with_tree_drafts(eagle3_ckpt, tiny_features, tmp_path):
                                       "--tree", "3,2,5", "--lookup", "4")
     assert results["config"]["tree"] == "3,2,5" and results["config"]["lookup"] == 4
     acc = results["acceptance"]
-    assert 1.0 <= acc["tau"] <= 5.0 and len(acc["alpha"]) <= 4 and 1 <= acc["mean_tree_size"] <= 5 + 4
+    # sized by measured cost, a round on a busy machine may draft nothing: no lower bound on the size
+    assert 1.0 <= acc["tau"] <= 5.0 and len(acc["alpha"]) <= 4 and 0 <= acc["mean_tree_size"] <= 5 + 4
     assert "tree sized by cost within 3,2,5 + prompt lookup 4" in " ".join(result.stdout.split())  # --policy cost: the default
     bad = run_cli("eval", "--target", str(tiny_features / "target"), "--tree", "5x8", "--out", str(tmp_path / "e2"))
     assert bad.returncode == 2 and "DEPTH,TOPK,TOKENS" in bad.stderr
