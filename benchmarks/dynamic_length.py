@@ -162,6 +162,11 @@ def main() -> None:
                     keys[f"ratio_{arm}{tag}{set_tag}{args.suffix}"] = round(figures[arm]["ratio_to_best_static"], 3)
             keys[f"best_static{tag}{set_tag}{args.suffix}"] = best
             print_table(name, temperature, figures, best)
+            if figures.get("oracle", {}).get("rejected_per_token", 0) > 0:
+                print(f"  note: the oracle rejected {figures['oracle']['rejected_per_token']:.3f} tokens per token: what it "
+                      f"knows in advance (the target's greedy text, the drafter's chains over it) came from forwards of "
+                      f"other widths than decoding's, and in {args.dtype} their rounding differs, so decoding left that "
+                      "text at a near-tie; here it is not a bound (run --dtype float32 for one)", flush=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     speedup_plot(report, out / "dynamic_length.png")
     if args.labels:

@@ -241,7 +241,12 @@ class CostAware:
     too slow for its target costs little against autoregressive decoding. After `probe` plain
     rounds in a row one round drafts anyway, so α̂ keeps up with the text; while probes find no
     pay the wait doubles, up to `max_probe` (the meter keeps it across prompts). With a measured
-    cost, rounds are plain until one is timed, then one in every `refresh` drafted rounds, to time R0.
+    cost, rounds are plain until one is timed, then one in every `refresh` drafted rounds, to time R0;
+    and a round that resumes drafting after plain ones is always followed by one more drafted round.
+    The resuming round also pays the drafter's catch-up over the tokens it skipped (on a
+    generation's first draft, its prefill of the whole prompt), so only the round after it times
+    what drafting costs in steady state; without it a slow catch-up would price drafting so high
+    that no later round drafts again, and the probes, each one resuming, would never correct it.
     """
 
     max_k: int = 8
@@ -254,6 +259,7 @@ class CostAware:
     name: str = "cost"
     chance: float = field(default=1.0, repr=False)  # Π q_i of this round's draft so far
     plain_streak: int = field(default=0, repr=False)
+    resumed: bool = field(default=False, repr=False)  # the last round drafted after plain ones
     _pay: tuple[float | None, float | None] = field(default=(None, None), repr=False)  # (c, α̂) this round
     _round_end: float | None = field(default=None, repr=False)  # when the previous round ended
 
@@ -277,6 +283,8 @@ class CostAware:
         if cost is None or alpha is None or alpha >= cost:
             self.meter.probe_gap = None
             return True
+        if self.cost is None and self.resumed:  # time a steady round after a resuming one
+            return True
         gap = self.meter.probe_gap or self.probe
         if self.plain_streak < gap:
             return False
@@ -289,6 +297,7 @@ class CostAware:
         now = self.clock()
         seconds = None if self._round_end is None else now - self._round_end
         self.meter.add(drafted, accepted, seconds, after_plain=self.plain_streak > 0)
+        self.resumed = bool(drafted) and self.plain_streak > 0
         self._round_end = now
         self.plain_streak = 0 if drafted else self.plain_streak + 1
 

@@ -25,14 +25,16 @@ def conf(p: float) -> torch.Tensor:
     return q
 
 
-def play(policy: CostAware, clock: Clock, confidences: list[float], accepted: int, plain_s=0.010, per_token_s=0.003):
-    """One round as the runtime drives it: ask, 'draft' while told to, verify; returns K."""
+def play(policy: CostAware, clock: Clock, confidences: list[float], accepted: int, plain_s=0.010, per_token_s=0.003,
+         resume_s=0.0):
+    """One round as the runtime drives it: ask, 'draft' while told to, verify; returns K. A round that
+    drafts after plain ones also takes `resume_s` (the drafter catching up on what it skipped)."""
     k = 0
     if policy.keep_going(DraftStep(0)):
         k = 1
         while policy.keep_going(DraftStep(k, q_raw=conf(confidences[k - 1]))):
             k += 1
-    clock.now += plain_s + per_token_s * k
+    clock.now += plain_s + per_token_s * k + (resume_s if k and policy.plain_streak else 0.0)
     policy.end_round(k, min(accepted, k))
     return k
 
@@ -73,6 +75,20 @@ def test_measures_first_then_drafts_while_a_token_pays():
             break
         expected += 1
     assert k == expected < 6
+
+
+def test_a_slow_catch_up_does_not_price_drafting_out():
+    """The first draft of a generation also pays the drafter's prefill (here 50 plain rounds' worth):
+    timed alone it would price a drafted token at 50 rounds, and every later probe, itself a resuming
+    round, would confirm it. The round after a resuming one times steady drafting instead."""
+    clock = Clock()
+    meter = CostMeter()
+    policy = CostAware(max_k=4, meter=meter, clock=clock)
+    ks = [play(policy, clock, [0.99] * 4, 4, resume_s=0.5) for _ in range(12)]
+    assert meter.resumed and meter.resumed[0][1] > 0.5  # the resuming round was timed, prefill included
+    assert ks[:4] == [0, 0, 1, 1]  # R0, then one token to learn α̂, then one more to time a steady round
+    assert meter.cost() == pytest.approx(0.3)
+    assert all(k == 4 for k in ks[4:])  # a drafter that pays keeps drafting
 
 
 def test_a_drafter_that_does_not_pay_gets_plain_rounds_and_probes():
