@@ -164,7 +164,7 @@ def main() -> None:
             print_table(name, temperature, figures, best)
             if figures.get("oracle", {}).get("rejected_per_token", 0) > 0:
                 print(f"  note: the oracle rejected {figures['oracle']['rejected_per_token']:.3f} tokens per token: what it "
-                      f"knows in advance (the target's greedy text, the drafter's chains over it) came from forwards of "
+                      "knows in advance (the target's greedy text, the drafter's chains over it) came from forwards of "
                       f"other widths than decoding's, and in {args.dtype} their rounding differs, so decoding left that "
                       "text at a near-tie; here it is not a bound (run --dtype float32 for one)", flush=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")

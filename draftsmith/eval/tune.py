@@ -18,9 +18,8 @@ from typing import Any
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
 
-# specdec reaches 0.99: a head trained with SpecDec++'s rejection weight predicts acceptance low (the
-# hass-cpu-full head: 0.10 against 0.30 observed), so 1 − â_1 passed every h up to 0.9 and each draft
-# stopped after one token
+# specdec reaches 0.99: a head trained with SpecDec++'s rejection weight predicts acceptance low, so
+# 1 − â_1 can pass every h up to 0.9 and stop each draft after one token (docs/benchmarks.md)
 GRIDS = {"specdec": [0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99], "disco": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]}
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 
@@ -33,7 +32,8 @@ class TuneConfig:
         target: the target model.
         drafter: the drafter's native export; specdec and disco read (and get) their stop head there.
         policy: specdec, disco, or confidence (transformers' ROC rule on --labels, no decoding).
-        thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.99 for specdec, 0.2 to 0.9 by 0.1 for disco.
+        thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.99 for specdec, 0.2
+            to 0.9 by 0.1 for disco.
         max_ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco.
         labels: the label directory (confidence: its validation chats give the ROC curve).
         val_fraction: the labels' validation share (as the head recipe's data.val_fraction).
