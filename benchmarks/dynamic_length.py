@@ -230,7 +230,7 @@ def calibration_plot(labels: str, heads: dict, path: Path) -> None:
             else:
                 x = disco_features(rows["top_probs"][val], rows["entropy"][val], rows["depth"][val].float(),
                                    head.config.top_k)
-            prob = torch.sigmoid(head.float()(x))
+            prob = head.float().probability(x)
         label = rows[section.get("label", "soft")][val].float()
         bins = torch.clamp((prob * 10).long(), max=9)
         xs, ys = [], []

@@ -8,12 +8,13 @@
   (its top-k probabilities, its entropy) and the token's position in the round; the policy keeps
   drafting while its confidence C_i stays at or above τ.
 
-Both return logits (sigmoid → probability); both read only the draft, so decoding with them stays
-lossless. Notation: H drafter hidden, V vocab, k top-k.
+Both return logits (`probability` turns them into the predicted chance of acceptance); both read
+only the draft, so decoding with them stays lossless. Notation: H drafter hidden, V vocab, k top-k.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,18 +28,22 @@ HEAD_KINDS = ("specdec", "disco")
 
 @dataclass
 class AcceptanceHeadConfig:
-    """hidden_size: the drafter's hidden size; num_layers: residual blocks before the output."""
+    """hidden_size: the drafter's hidden size; num_layers: residual blocks before the output;
+    rejection_weight: the w its loss weighed rejected tokens by (see StopHead)."""
 
     hidden_size: int
     num_layers: int = 3
+    rejection_weight: float = 1.0
 
 
 @dataclass
 class StopClassifierConfig:
-    """top_k: drafter probabilities read (largest first); width: the FFN's hidden width."""
+    """top_k: drafter probabilities read (largest first); width: the FFN's hidden width;
+    rejection_weight: the w its loss weighed rejected tokens by (see StopHead)."""
 
     top_k: int = 10
     width: int = 64
+    rejection_weight: float = 1.0
 
 
 class ResidualBlock(nn.Module):
@@ -51,7 +56,23 @@ class ResidualBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
-class AcceptanceHead(nn.Module):
+class StopHead(nn.Module):
+    """What both heads share: `forward` returns the logit their loss trains, `probability` the
+    predicted chance that the drafted token is accepted. Trained with rejection weight w (SpecDec++'s
+    loss, train/heads.py), a head's sigmoid estimates a / (a + w·(1 − a)) rather than a: its logit
+    sits log w below a's, and `calibrated` adds log w back (w = 1, an unweighted loss: no change)."""
+
+    config: Any
+
+    def calibrated(self, logits: torch.Tensor) -> torch.Tensor:
+        """forward's logits → logits of the acceptance probability itself."""
+        return logits + math.log(self.config.rejection_weight)
+
+    def probability(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.calibrated(self(x)))
+
+
+class AcceptanceHead(StopHead):
     """SpecDec++'s acceptance head: (..., H) drafter hidden → (...,) logit of P(accepted)."""
 
     kind = "specdec"
@@ -81,7 +102,7 @@ def distribution_summary(q_raw: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     return q.topk(min(top_k, q.shape[-1]), dim=-1).values, entropy
 
 
-class StopClassifier(nn.Module):
+class StopClassifier(StopHead):
     """DISCO's stop classifier: (..., top_k + 2) features → (...,) logit of P(the drafted token is right)."""
 
     kind = "disco"
@@ -97,8 +118,7 @@ class StopClassifier(nn.Module):
     def confidence(self, q_raw: torch.Tensor, position: int) -> float:
         """C_i for the token drawn from q_raw (V,) at position i of the round."""
         top, entropy = distribution_summary(q_raw, self.config.top_k)
-        x = disco_features(top, entropy, torch.tensor(float(position)), self.config.top_k)
-        return float(torch.sigmoid(self(x)))
+        return float(self.probability(disco_features(top, entropy, torch.tensor(float(position)), self.config.top_k)))
 
 
 def build_head(kind: str, config: dict[str, Any]) -> nn.Module:

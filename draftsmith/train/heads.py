@@ -143,11 +143,11 @@ class StopHeadModule(pl.LightningModule):
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
         h = self.hparams
         if h.kind == "specdec":
-            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers)
+            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight)
         else:
             if h.top_k > labels_run["top_k"]:
                 raise DraftsmithError(f"--model.top_k {h.top_k}: the labels keep {labels_run['top_k']} probabilities per token")
-            config = StopClassifierConfig(h.top_k, h.width)
+            config = StopClassifierConfig(h.top_k, h.width, h.rejection_weight)
         self.labels_run = labels_run
         self.head = build_head(h.kind, asdict(config))
 
@@ -183,6 +183,7 @@ class StopHeadModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits, label = self._loss(batch)
         n = len(label)
+        logits = self.head.calibrated(logits)  # the metrics judge the predicted probability itself
         prob = torch.sigmoid(logits)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, label, reduction="none")
         entropy = torch.nn.functional.binary_cross_entropy(label, label, reduction="none")  # H(a), 0 for 0/1 labels

@@ -125,3 +125,27 @@ def test_head_forward_kl_equals_forward_kl_of_the_logits_with_its_gradients(cach
 
     assert_same_values_and_gradients(lambda: head_forward_kl(x, w, target, mask), expected, x, w)
     torch.testing.assert_close(forward_kl(x @ w.T, target, mask).double(), expected())
+
+
+@pytest.mark.parametrize("weight", [1.0, 6.0])
+def test_an_acceptance_head_trained_with_a_rejection_weight_predicts_the_acceptance_itself(weight):
+    """SpecDec++'s loss with weight w drives the head's sigmoid to a / (a + w(1 − a)); `probability`
+    undoes that, so a head fitted to tokens accepted with chance 0.2 (hidden state h0) or 0.7 (h1)
+    predicts 0.2 and 0.7 whatever w was."""
+    from draftsmith.models.heads import AcceptanceHead, AcceptanceHeadConfig
+    from draftsmith.train.heads import mixed_bce
+
+    torch.manual_seed(0)
+    head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=4, num_layers=1, rejection_weight=weight))
+    hidden = torch.eye(4)[torch.arange(400) % 2]  # alternately h0 and h1
+    label = torch.where(torch.arange(400) % 2 == 0, 0.2, 0.7)
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.05)
+    for _ in range(300):
+        optimizer.zero_grad()
+        mixed_bce(head(hidden), label, weight, torch.ones(400)).backward()
+        optimizer.step()
+    with torch.no_grad():
+        raw = torch.sigmoid(head(hidden[:2]))
+        assert torch.allclose(head.probability(hidden[:2]), torch.tensor([0.2, 0.7]), atol=0.01)
+    biased = torch.tensor([0.2, 0.7]) / (torch.tensor([0.2, 0.7]) + weight * torch.tensor([0.8, 0.3]))
+    assert torch.allclose(raw, biased, atol=0.01)
