@@ -29,11 +29,14 @@ HEAD_KINDS = ("specdec", "disco")
 @dataclass
 class AcceptanceHeadConfig:
     """hidden_size: the drafter's hidden size; num_layers: residual blocks before the output;
-    rejection_weight: the w its loss weighed rejected tokens by (see StopHead)."""
+    rejection_weight: the w its loss weighed rejected tokens by (see StopHead); normalize: scale each
+    hidden state to unit RMS first (a feature drafter's state is its residual stream before the final
+    norm, with norms in the hundreds that vary by token; False for heads exported before it existed)."""
 
     hidden_size: int
     num_layers: int = 3
     rejection_weight: float = 1.0
+    normalize: bool = False
 
 
 @dataclass
@@ -84,7 +87,10 @@ class AcceptanceHead(StopHead):
         self.out = nn.Linear(config.hidden_size, 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(hidden.to(self.out.weight.dtype)))[..., 0]
+        x = hidden.to(self.out.weight.dtype)
+        if self.config.normalize:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(self.blocks(x))[..., 0]
 
 
 def disco_features(top: torch.Tensor, entropy: torch.Tensor, position: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -109,6 +109,7 @@ class StopHeadModule(pl.LightningModule):
             drafter's top-k probabilities, entropy and position).
         label: soft (min(1, p/q) at T = 1, SpecDec++'s) or hard (the greedy token is the target's, DISCO's).
         num_layers: residual blocks of the acceptance head.
+        normalize: the acceptance head scales each hidden state to unit RMS before its blocks.
         top_k: probabilities the stop classifier reads.
         width: the stop classifier's hidden width.
         rejection_weight: w, the weight of rejected tokens in the loss.
@@ -121,8 +122,8 @@ class StopHeadModule(pl.LightningModule):
         count_tokens: unused; the CLI links it for every recipe.
     """
 
-    def __init__(self, target: str, kind: str = "specdec", label: str = "soft", num_layers: int = 3, top_k: int = 10,
-                 width: int = 64, rejection_weight: float = 6.0, mixing_ratio: float = 0.15, lr: float = 1e-3,
+    def __init__(self, target: str, kind: str = "specdec", label: str = "soft", num_layers: int = 3, normalize: bool = True,
+                 top_k: int = 10, width: int = 64, rejection_weight: float = 6.0, mixing_ratio: float = 0.15, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 20, min_lr_ratio: float = 0.1, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
@@ -143,7 +144,7 @@ class StopHeadModule(pl.LightningModule):
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
         h = self.hparams
         if h.kind == "specdec":
-            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight)
+            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize)
         else:
             if h.top_k > labels_run["top_k"]:
                 raise DraftsmithError(f"--model.top_k {h.top_k}: the labels keep {labels_run['top_k']} probabilities per token")
@@ -211,5 +212,7 @@ class StopHeadModule(pl.LightningModule):
                                     "head_config": head_config(self.head), "target_identity": self.labels_run["target"]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "normalize" not in checkpoint.get("hyper_parameters", {}):
+            self.hparams.normalize = False  # trained before the option: its blocks read the raw hidden state
         if self.head is None:
             self.build(checkpoint["draftsmith"]["labels_run"])

@@ -149,3 +149,17 @@ def test_an_acceptance_head_trained_with_a_rejection_weight_predicts_the_accepta
         assert torch.allclose(head.probability(hidden[:2]), torch.tensor([0.2, 0.7]), atol=0.01)
     biased = torch.tensor([0.2, 0.7]) / (torch.tensor([0.2, 0.7]) + weight * torch.tensor([0.8, 0.3]))
     assert torch.allclose(raw, biased, atol=0.01)
+
+
+def test_a_normalizing_acceptance_head_reads_only_the_direction_of_the_hidden_state():
+    """With `normalize`, a hidden state and the same state scaled 300x (a feature drafter's residual stream
+    varies that much in norm) get the same prediction; without it they do not."""
+    from draftsmith.models.heads import AcceptanceHead, AcceptanceHeadConfig
+
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 8)
+    for normalize in (True, False):
+        head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=8, num_layers=2, normalize=normalize))
+        with torch.no_grad():
+            same = torch.allclose(head(hidden), head(300 * hidden), atol=1e-4)
+        assert same == normalize
