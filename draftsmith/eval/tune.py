@@ -18,8 +18,8 @@ from typing import Any
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
 
-# specdec reaches 0.99: a head trained with SpecDec++'s rejection weight predicts acceptance low, so
-# 1 − â_1 can pass every h up to 0.9 and stop each draft after one token (docs/benchmarks.md)
+# specdec reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
+# token, so only h near 1 lets such a drafter's drafts grow (docs/benchmarks.md, dynamic_length.py)
 GRIDS = {"specdec": [0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99], "disco": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]}
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 

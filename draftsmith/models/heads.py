@@ -89,7 +89,7 @@ class AcceptanceHead(StopHead):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(self.out.weight.dtype)
         if self.config.normalize:
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x = nn.functional.rms_norm(x, x.shape[-1:], eps=1e-6)
         return self.out(self.blocks(x))[..., 0]
 
 
