@@ -39,9 +39,9 @@ class DecodeOptions:
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
         head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
             head computed over those rows only (exports carry the counts); 0 = the full head.
-        compile: run the target's decoder through torch.compile (inductor; each kind of forward compiles at
-            its first call, minutes on a small CPU, then inductor's on-disk cache serves later runs); the
-            warm-up absorbs the compile, and the report gives its time.
+        compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
+            included, compiles at its first call: minutes on a small CPU, in every process); the warm-up
+            absorbs the compile, and the report gives its time.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).

@@ -10,7 +10,6 @@ Notation: P prompt length, K drafted tokens, V vocab, H hidden.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -80,11 +79,10 @@ class TargetRunner:
         # `fast`: preallocated KV slabs (runtime/cache.py) and, on a CPU, prepacked linear weights (runtime/kernels.py);
         # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
         self.fast = fast
-        # `compile`: forwards without a tree run the decoder through torch.compile (inductor with the
-        # weights frozen into the graph, as the target never trains here; inductor packs them itself,
-        # so the decoder's packed linears serve only eager tree forwards, where inductor's attention
-        # under a tree mask was slower). Each kind of forward (a prefill, one token, several) compiles
-        # at its first call; inductor caches the code on disk for later runs.
+        # `compile`: the decoder runs through torch.compile (inductor with the weights frozen into the
+        # graph, as the target never trains here; inductor packs them itself, so the decoder's packed
+        # linears serve only eager forwards). Each kind of forward (a prefill, one token, several, a
+        # tree under its mask) compiles at its first call, for any length.
         self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if compile else self.decoder
         self.linears = PackedLinears(self.decoder, enabled=fast)
         self.head_linears = PackedLinears(self.head, enabled=fast)
@@ -95,10 +93,11 @@ class TargetRunner:
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def compiling(self, decoder: Any) -> Any:
-        """Inductor's settings while a compiled forward may compile: weights frozen into the graph."""
-        if decoder is self.decoder:
-            return contextlib.nullcontext()
+    def compiling(self) -> Any:
+        """Inductor's settings while a compiled forward may compile: weights frozen into the graph.
+        An eager decoder gets its packed linears instead."""
+        if self.decoder_call is self.decoder:
+            return self.linears
         import torch._inductor.config as inductor
 
         return inductor.patch(freezing=True)
@@ -119,11 +118,10 @@ class TargetRunner:
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
             mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
             extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
-        decoder = self.decoder if tree is not None else self.decoder_call  # compiled tree forwards measured slower
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
                 grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.head_linears, \
-                self.linears if decoder is self.decoder else contextlib.nullcontext(), self.compiling(decoder):
-            out = decoder(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
+                self.compiling():
+            out = self.decoder_call(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                           output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]
             logits = self.head(final[-1:] if last_logits else final)

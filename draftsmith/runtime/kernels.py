@@ -150,6 +150,13 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         foldable = rows == 1 and query.dtype != torch.float32  # one fp32 row: torch's own kernel runs it well
     else:
         foldable = attention_mask.shape[1] == 1 and rows <= FOLD_MAX_ROWS  # one mask for every head
+    if groups > 1 and plain and not foldable and attention_mask is not None:
+        # torch's grouped-query mode under the mask, called directly: transformers reaches it only through an
+        # environment switch (grouped_query_sdpa), which torch.compile cannot trace (a tree forward broke into
+        # a graph per layer and ran slower compiled than eager)
+        mask = attention_mask[..., : key.shape[-2]]
+        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     if groups == 1 or not plain or not foldable:
         with grouped_query_sdpa(groups > 1 and attention_mask is not None):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

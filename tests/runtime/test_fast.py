@@ -15,7 +15,7 @@ from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.kernels import PackedLinears
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer
-from draftsmith.runtime.tree import TreeShape
+from draftsmith.runtime.tree import DraftTree, TreeShape
 from tests.runtime.conftest import V, greedy_cases
 from tests.runtime.test_generate import proposers
 from tests.runtime.test_tree import hand_tree
@@ -206,3 +206,26 @@ def test_compiled_target_decodes_the_targets_own_greedy_output(target):
         assert generate(compiled, proposer, prompt, 24, Static(3)).tokens == expected
         assert generate(compiled, proposer, prompt, 24, Static(0), tree=TreeShape(3, 2, 5, 3)).tokens == expected
     assert counters["stats"]["unique_graphs"] > graphs  # the decoder did go through inductor
+
+
+def test_a_compiled_tree_forward_is_one_graph(target):
+    """A tree's verification (several rows under a mask, the grouped-query case no fold takes) compiles
+    without a graph break, so it runs as one compiled graph rather than a graph per layer (transformers
+    reaches torch's grouped-query mode under a mask through an environment switch dynamo cannot trace),
+    and gives the eager runner's logits."""
+    from torch._dynamo.utils import counters
+
+    proposer = proposers(target)["eagle3"]
+    compiled = TargetRunner(target, proposer.aux_layer_ids, compile=True)
+    eager = TargetRunner(target, proposer.aux_layer_ids)
+    tree = DraftTree(tokens=torch.tensor([3, 7, 9] + list(range(10, 20))), parents=torch.tensor([-1, -1, 0] + list(range(2, 12))),
+                     depth=torch.tensor([1, 1, 2] + list(range(3, 13))), scores=torch.zeros(13))
+    breaks = sum(counters["graph_break"].values())
+    outputs = []
+    for runner in (compiled, eager):
+        runner.reset()
+        runner.forward([4, 8, 15, 16])
+        outputs.append(runner.forward([23] + tree.tokens.tolist(), tree))
+    assert sum(counters["graph_break"].values()) == breaks
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
