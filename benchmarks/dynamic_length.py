@@ -217,7 +217,7 @@ def calibration_plot(labels: str, heads: dict, path: Path) -> None:
 
     from draftsmith.data.conversations import split_of
     from draftsmith.labels import read_labels
-    from draftsmith.models.heads import disco_features
+    from draftsmith.models.heads import stored_inputs
 
     _, rows, ids, chat_of = read_labels(labels)
     val = torch.tensor([split_of(i, 0.1) == "val" for i in ids], dtype=torch.bool)[chat_of]
@@ -225,12 +225,7 @@ def calibration_plot(labels: str, heads: dict, path: Path) -> None:
     ax.plot([0, 1], [0, 1], color="black", lw=0.8)
     for kind, (head, section) in heads.items():
         with torch.no_grad():
-            if kind == "specdec":
-                x = rows["hidden"][val].float()
-            else:
-                x = disco_features(rows["top_probs"][val], rows["entropy"][val], rows["depth"][val].float(),
-                                   head.config.top_k)
-            prob = head.float().probability(x)
+            prob = head.float().probability(*stored_inputs(head, {k: v[val] for k, v in rows.items()}))
         label = rows[section.get("label", "soft")][val].float()
         bins = torch.clamp((prob * 10).long(), max=9)
         xs, ys = [], []

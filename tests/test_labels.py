@@ -97,7 +97,7 @@ def head_recipe(tiny_features, labelled, tmp_path, kind):
         "model": {"class_path": "draftsmith.train.heads.StopHeadModule",
                   "init_args": {"target": str(tiny_features / "target"), "kind": kind,
                                 "label": "soft" if kind == "specdec" else "hard", "top_k": 6, "lr": 0.01,
-                                "warmup_steps": 1}},
+                                "warmup_steps": 1, "draft_features": 4 if kind == "specdec" else 0}},
         "data": {"class_path": "draftsmith.train.heads.LabelDataModule",
                  "init_args": {"labels": str(labelled), "val_fraction": 0.3, "batch_size": 128}},
     }
@@ -139,6 +139,7 @@ def test_heads_travel_in_the_export_and_decode_losslessly(tiny_features, drafter
     config = json.loads((drafter / "config.json").read_text())
     assert set(config["stop_heads"]) == {"specdec", "disco"} and (drafter / "stop_heads.safetensors").exists()
     assert config["stop_heads"]["specdec"]["provenance"]["checkpoint"].endswith(".ckpt")
+    assert config["stop_heads"]["specdec"]["head"]["draft_features"] == 4  # it reads the distribution too
     # a head is refused by the drafter it was not trained for
     with pytest.raises(DraftsmithError, match="trained for another drafter or target"):
         export(str(heads / "specdec"), "native", str(other_export))

@@ -42,10 +42,9 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
     update_stop_heads(out, kind, section, module.head.state_dict())
     reloaded, _ = load_stop_head(out, kind, target, proposer)
     g = torch.Generator().manual_seed(0)
-    width = module.head.config.hidden_size if kind == "specdec" else module.head.config.top_k + 2
-    x = torch.randn(16, width, generator=g)
+    x = [torch.randn(16, width, generator=g) for width in module.head.input_widths()]
     with torch.no_grad():
-        error = float((module.head.float()(x) - reloaded.float()(x)).abs().max())
+        error = float((module.head.float()(*x) - reloaded.float()(*x)).abs().max())
     if error > 1e-5:
         raise DraftsmithError(f"{out}: the reloaded {kind} head's outputs differ from the trained one's by {error:.2e}")
     return {"format": fmt, "kind": kind, "out": str(out), "directories": [str(Path(out))], "max_logit_error": error,

@@ -1,9 +1,10 @@
 """Stop heads: small models that tell the runtime when a draft should stop growing.
 
 - `AcceptanceHead` (SpecDec++, Huang et al. 2024): the probability that a drafted token is
-  accepted, from the drafter's hidden state that drafted it. n residual blocks x + SiLU(Wx + b),
-  each with its own weights, and a linear output. The policy stops once the predicted chance
-  that some drafted token is rejected, 1 − Π a_i, exceeds its threshold h.
+  accepted, from the drafter's hidden state that drafted it (optionally with DISCO's features of
+  the distribution it drew the token from appended). n residual blocks x + SiLU(Wx + b), each with
+  its own weights, and a linear output. The policy stops once the predicted chance that some
+  drafted token is rejected, 1 − Π a_i, exceeds its threshold h.
 - `StopClassifier` (DISCO, Mamou et al. 2024): a 2-layer FFN on the drafter's distribution
   (its top-k probabilities, its entropy) and the token's position in the round; the policy keeps
   drafting while its confidence C_i stays at or above τ.
@@ -31,12 +32,20 @@ class AcceptanceHeadConfig:
     """hidden_size: the drafter's hidden size; num_layers: residual blocks before the output;
     rejection_weight: the w its loss weighed rejected tokens by (see StopHead); normalize: scale each
     hidden state to unit RMS first (a feature drafter's state is its residual stream before the final
-    norm, with norms in the hundreds that vary by token; False for heads exported before it existed)."""
+    norm, with norms in the hundreds that vary by token; False for heads exported before it existed);
+    draft_features: append DISCO's features (`disco_features`: this many of the drafter's largest
+    probabilities, its entropy, the token's position in the round) to the hidden state; 0: the hidden
+    state alone, as SpecDec++ reads it."""
 
     hidden_size: int
     num_layers: int = 3
     rejection_weight: float = 1.0
     normalize: bool = False
+    draft_features: int = 0
+
+    @property
+    def input_size(self) -> int:
+        return self.hidden_size + (self.draft_features + 2 if self.draft_features else 0)
 
 
 @dataclass
@@ -71,26 +80,46 @@ class StopHead(nn.Module):
         """forward's logits → logits of the acceptance probability itself."""
         return logits + math.log(self.config.rejection_weight)
 
-    def probability(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.calibrated(self(x)))
+    def probability(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.calibrated(self(*inputs)))
+
+    def input_widths(self) -> tuple[int, ...]:
+        """The last dimension of each input `forward` takes."""
+        raise NotImplementedError
 
 
 class AcceptanceHead(StopHead):
-    """SpecDec++'s acceptance head: (..., H) drafter hidden → (...,) logit of P(accepted)."""
+    """SpecDec++'s acceptance head: (..., H) drafter hidden [, (..., k + 2) DISCO features] → (...,)
+    logit of P(accepted)."""
 
     kind = "specdec"
 
     def __init__(self, config: AcceptanceHeadConfig):
         super().__init__()
         self.config = config
-        self.blocks = nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)])
-        self.out = nn.Linear(config.hidden_size, 1)
+        self.blocks = nn.Sequential(*[ResidualBlock(config.input_size) for _ in range(config.num_layers)])
+        self.out = nn.Linear(config.input_size, 1)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         x = hidden.to(self.out.weight.dtype)
         if self.config.normalize:
             x = nn.functional.rms_norm(x, x.shape[-1:], eps=1e-6)
+        if self.config.draft_features:
+            if features is None:
+                raise DraftsmithError("this acceptance head reads the drafter's distribution too (draft_features)")
+            x = torch.cat([x, features.to(x.dtype)], -1)
         return self.out(self.blocks(x))[..., 0]
+
+    def input_widths(self) -> tuple[int, ...]:
+        k = self.config.draft_features
+        return (self.config.hidden_size,) + ((k + 2,) if k else ())
+
+    def acceptance(self, hidden: torch.Tensor, q_raw: torch.Tensor | None, position: int) -> float:
+        """a_i for the token drawn from q_raw (V,) by the state `hidden` (H,) at position i of the round."""
+        k = self.config.draft_features
+        if not k:
+            return float(self.probability(hidden))
+        return float(self.probability(hidden, round_features(q_raw, position, k)))
 
 
 def disco_features(top: torch.Tensor, entropy: torch.Tensor, position: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -108,6 +137,11 @@ def distribution_summary(q_raw: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     return q.topk(min(top_k, q.shape[-1]), dim=-1).values, entropy
 
 
+def round_features(q_raw: torch.Tensor, position: int, top_k: int) -> torch.Tensor:
+    """DISCO's features (top_k + 2,) of a token drawn from q_raw (V,) at position i of the round."""
+    return disco_features(*distribution_summary(q_raw, top_k), torch.tensor(float(position)), top_k)
+
+
 class StopClassifier(StopHead):
     """DISCO's stop classifier: (..., top_k + 2) features → (...,) logit of P(the drafted token is right)."""
 
@@ -121,10 +155,21 @@ class StopClassifier(StopHead):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.net(features.to(self.net[0].weight.dtype))[..., 0]
 
+    def input_widths(self) -> tuple[int, ...]:
+        return (self.config.top_k + 2,)
+
     def confidence(self, q_raw: torch.Tensor, position: int) -> float:
         """C_i for the token drawn from q_raw (V,) at position i of the round."""
-        top, entropy = distribution_summary(q_raw, self.config.top_k)
-        return float(self.probability(disco_features(top, entropy, torch.tensor(float(position)), self.config.top_k)))
+        return float(self.probability(round_features(q_raw, position, self.config.top_k)))
+
+
+def stored_inputs(head: StopHead, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """What `head` reads, from label rows (`draftsmith labels`: hidden, top_probs, entropy, depth)."""
+    k = head.config.top_k if head.kind == "disco" else head.config.draft_features
+    features = disco_features(rows["top_probs"], rows["entropy"], rows["depth"].float(), k) if k else None
+    if head.kind == "disco":
+        return (features,)
+    return (rows["hidden"].float(),) if features is None else (rows["hidden"].float(), features)
 
 
 def build_head(kind: str, config: dict[str, Any]) -> nn.Module:

@@ -463,7 +463,7 @@ class AcceptanceStop:
             return self.max_k > 0
         if step.position >= self.max_k:
             return False
-        self.accepted *= float(self.head.probability(step.hidden))
+        self.accepted *= self.head.acceptance(step.hidden, step.q_raw, step.position)
         return 1 - self.accepted <= self.threshold
 
     def end_round(self, drafted: int, accepted: int) -> None:

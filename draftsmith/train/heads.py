@@ -28,8 +28,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError, Bin
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
-from draftsmith.models.heads import (AcceptanceHeadConfig, StopClassifierConfig, build_head, disco_features,
-                                     head_config)
+from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, build_head, head_config, stored_inputs
 from draftsmith.train.optim import adamw_warmup_cosine
 
 LABELS = ("soft", "hard")
@@ -110,6 +109,8 @@ class StopHeadModule(pl.LightningModule):
         label: soft (min(1, p/q) at T = 1, SpecDec++'s) or hard (the greedy token is the target's, DISCO's).
         num_layers: residual blocks of the acceptance head.
         normalize: the acceptance head scales each hidden state to unit RMS before its blocks.
+        draft_features: the acceptance head also reads DISCO's features of the drafter's distribution
+            (this many of its largest probabilities, its entropy, the position); 0: the hidden state alone.
         top_k: probabilities the stop classifier reads.
         width: the stop classifier's hidden width.
         rejection_weight: w, the weight of rejected tokens in the loss.
@@ -123,7 +124,7 @@ class StopHeadModule(pl.LightningModule):
     """
 
     def __init__(self, target: str, kind: str = "specdec", label: str = "soft", num_layers: int = 3, normalize: bool = True,
-                 top_k: int = 10, width: int = 64, rejection_weight: float = 6.0, mixing_ratio: float = 0.15, lr: float = 1e-3,
+                 draft_features: int = 0, top_k: int = 10, width: int = 64, rejection_weight: float = 6.0, mixing_ratio: float = 0.15, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 20, min_lr_ratio: float = 0.1, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
@@ -143,11 +144,13 @@ class StopHeadModule(pl.LightningModule):
     def build(self, labels_run: dict[str, Any]) -> None:
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
         h = self.hparams
+        reads = h.top_k if h.kind == "disco" else h.draft_features
+        if reads > labels_run["top_k"]:
+            option = "top_k" if h.kind == "disco" else "draft_features"
+            raise DraftsmithError(f"--model.{option} {reads}: the labels keep {labels_run['top_k']} probabilities per token")
         if h.kind == "specdec":
-            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize)
+            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize, reads)
         else:
-            if h.top_k > labels_run["top_k"]:
-                raise DraftsmithError(f"--model.top_k {h.top_k}: the labels keep {labels_run['top_k']} probabilities per token")
             config = StopClassifierConfig(h.top_k, h.width, h.rejection_weight)
         self.labels_run = labels_run
         self.head = build_head(h.kind, asdict(config))
@@ -165,13 +168,8 @@ class StopHeadModule(pl.LightningModule):
             raise DraftsmithError(f"{data.labels} was labelled with another target: {'; '.join(diffs)}")
         self.build(data.run)
 
-    def inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.hparams.kind == "specdec":
-            return batch["hidden"].float()
-        return disco_features(batch["top_probs"], batch["entropy"], batch["depth"].float(), self.hparams.top_k)
-
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.head(self.inputs(batch))
+        logits = self.head(*stored_inputs(self.head, batch))
         label = batch[self.hparams.label].float()
         weight = (1 - self.hparams.mixing_ratio) ** (batch["depth"].float() - 1)
         return mixed_bce(logits, label, self.hparams.rejection_weight, weight), logits, label

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from draftsmith import DraftsmithError
 from draftsmith.labels import label_chat
 from draftsmith.models.heads import AcceptanceHead, AcceptanceHeadConfig, StopClassifier, StopClassifierConfig
 from draftsmith.runtime.generate import TargetRunner, generate
@@ -130,6 +131,28 @@ def test_a_hand_set_stop_classifier_stops_where_its_formula_says(target):
         assert [r.drafted for r in disco.rounds] == [r.drafted for r in confidence.rounds]
     drafted = {r.drafted for r in disco.rounds}
     assert len(drafted) > 1  # the decisions vary, so the comparison tests something
+
+
+def test_an_acceptance_head_with_draft_features_reads_the_drafters_distribution(target):
+    """An acceptance head given DISCO's features whose weights read only the top-1 probability
+    (a ≈ 1 iff top-1 ≥ cut; its hidden-state part zeroed): at h = 0.5 SpecDec++'s rule stops after the
+    first token below the cut, so it drafts as the confidence policy does at that cut, round by round."""
+    proposer = proposers(target)["standalone"]
+    runner = TargetRunner(target)
+    size = hidden_size(proposer)
+    for cut in (0.05, 0.08, 0.12):
+        head = AcceptanceHead(AcceptanceHeadConfig(size, num_layers=2, draft_features=4))
+        with torch.no_grad():
+            for p in head.parameters():
+                p.zero_()  # the residual blocks pass their input through unchanged
+            head.out.weight[0, size] = 200.0  # the first feature after the hidden state: top-1
+            head.out.bias.fill_(-200.0 * cut)
+        specdec = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, 0.5, max_k=6))
+        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, max_k=6))
+        assert [r.drafted for r in specdec.rounds] == [r.drafted for r in confidence.rounds]
+    assert len({r.drafted for r in specdec.rounds}) > 1  # the decisions vary, so the comparison tests something
+    with pytest.raises(DraftsmithError, match="reads the drafter's distribution"):
+        head(torch.zeros(size))
 
 
 @pytest.mark.parametrize("kind", ["standalone", "eagle", "eagle3"])
