@@ -122,7 +122,7 @@ class TargetRunner:
                 grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.head_linears, \
                 self.compiling():
             out = self.decoder_call(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
-                          output_hidden_states=captured.fallback, **extra)
+                                    output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]
             logits = self.head(final[-1:] if last_logits else final)
         hidden = captured.collect(out)
