@@ -44,8 +44,9 @@ class AcceptanceHeadConfig:
     draft_features: int = 0
 
     @property
-    def input_size(self) -> int:
-        return self.hidden_size + (self.draft_features + 2 if self.draft_features else 0)
+    def probabilities(self) -> int:
+        """How many of the drafter's largest probabilities the head reads (0: none)."""
+        return self.draft_features
 
 
 @dataclass
@@ -56,6 +57,11 @@ class StopClassifierConfig:
     top_k: int = 10
     width: int = 64
     rejection_weight: float = 1.0
+
+    @property
+    def probabilities(self) -> int:
+        """How many of the drafter's largest probabilities the head reads."""
+        return self.top_k
 
 
 class ResidualBlock(nn.Module):
@@ -97,8 +103,9 @@ class AcceptanceHead(StopHead):
     def __init__(self, config: AcceptanceHeadConfig):
         super().__init__()
         self.config = config
-        self.blocks = nn.Sequential(*[ResidualBlock(config.input_size) for _ in range(config.num_layers)])
-        self.out = nn.Linear(config.input_size, 1)
+        size = sum(self.input_widths())  # the hidden state, then DISCO's features when it reads them
+        self.blocks = nn.Sequential(*[ResidualBlock(size) for _ in range(config.num_layers)])
+        self.out = nn.Linear(size, 1)
 
     def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         x = hidden.to(self.out.weight.dtype)
@@ -165,7 +172,7 @@ class StopClassifier(StopHead):
 
 def stored_inputs(head: StopHead, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """What `head` reads, from label rows (`draftsmith labels`: hidden, top_probs, entropy, depth)."""
-    k = head.config.top_k if head.kind == "disco" else head.config.draft_features
+    k = head.config.probabilities
     features = disco_features(rows["top_probs"], rows["entropy"], rows["depth"].float(), k) if k else None
     if head.kind == "disco":
         return (features,)

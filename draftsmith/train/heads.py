@@ -124,9 +124,9 @@ class StopHeadModule(pl.LightningModule):
     """
 
     def __init__(self, target: str, kind: str = "specdec", label: str = "soft", num_layers: int = 3, normalize: bool = True,
-                 draft_features: int = 0, top_k: int = 10, width: int = 64, rejection_weight: float = 6.0, mixing_ratio: float = 0.15, lr: float = 1e-3,
-                 weight_decay: float = 0.0, warmup_steps: int = 20, min_lr_ratio: float = 0.1, online: bool = False,
-                 count_tokens: Callable[[int], torch.Tensor] | None = None):
+                 draft_features: int = 0, top_k: int = 10, width: int = 64, rejection_weight: float = 6.0,
+                 mixing_ratio: float = 0.15, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 20,
+                 min_lr_ratio: float = 0.1, online: bool = False, count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["online", "count_tokens"])
         if kind not in ("specdec", "disco"):
@@ -144,14 +144,15 @@ class StopHeadModule(pl.LightningModule):
     def build(self, labels_run: dict[str, Any]) -> None:
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
         h = self.hparams
-        reads = h.top_k if h.kind == "disco" else h.draft_features
-        if reads > labels_run["top_k"]:
-            option = "top_k" if h.kind == "disco" else "draft_features"
-            raise DraftsmithError(f"--model.{option} {reads}: the labels keep {labels_run['top_k']} probabilities per token")
         if h.kind == "specdec":
-            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize, reads)
+            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize,
+                                          h.draft_features)
         else:
             config = StopClassifierConfig(h.top_k, h.width, h.rejection_weight)
+        if config.probabilities > labels_run["top_k"]:
+            option = "top_k" if h.kind == "disco" else "draft_features"
+            raise DraftsmithError(f"--model.{option} {config.probabilities}: the labels keep {labels_run['top_k']} "
+                                  "probabilities per token")
         self.labels_run = labels_run
         self.head = build_head(h.kind, asdict(config))
 
