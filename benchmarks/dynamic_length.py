@@ -12,10 +12,16 @@ One process, the same prompts for every arm, the arms alternating prompt by prom
   committed token, target forwards per token, tokens/s, speedup over autoregressive decoding (timed in
   the same passes), and ratio_<arm> = that arm's tokens/s ÷ the best static K's.
 
+With --tree DEPTH,TOPK,TOKENS (a feature drafter) the rounds draft EAGLE-2 trees of that shape instead:
+the static arms are the fixed trees of depth 1..DEPTH (the best chosen on the held-out prompts), and cost,
+specdec and disco choose each round's depth (the cost policy its node count too); the heads at the
+thresholds tuned for trees (`draftsmith tune --tree DEPTH,TOPK,TOKENS`).
+
 Plots: speedup by policy (dynamic_length.png) and, with --labels, each head's calibration on the
 labels' validation chats (calibration.png).
 
     python benchmarks/dynamic_length.py --drafter DIR [--labels LABELS] [--limit 16] [--max-new-tokens 128]
+        [--tree 4,4,12 --suffix _tree]
 
 DIR is a native export carrying tuned specdec and disco heads. Ends with
 `RESULT ratio_specdec=... ratio_disco=... ratio_cost=... ratio_oracle=...` (greedy, MT-bench; `_t1`
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,6 +61,7 @@ def main() -> None:
     ap.add_argument("--head-vocab", type=int, default=8192)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--suffix", default="", help="appended to every RESULT key, e.g. _feature")
+    ap.add_argument("--tree", default=None, help="DEPTH,TOPK,TOKENS: EAGLE-2 tree rounds (feature drafters)")
     ap.add_argument("--out", default=str(ROOT / "runs/bench/dynamic_length"))
     args = ap.parse_args()
 
@@ -63,9 +71,10 @@ def main() -> None:
     from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path, tuned_settings
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
-    from draftsmith.runtime.policies import CostMeter, make_policy
+    from draftsmith.runtime.policies import CostMeter, TreeCost, TreeCostMeter, make_policy
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.runtime.tree import TreeShape
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,42 +93,59 @@ def main() -> None:
         return [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
 
     def tuned(kind: str, mode: str) -> tuple[float, int]:
-        chosen = tuned_settings(heads[kind][1], mode == "greedy")
+        tried = heads[kind][1].get("tuned", {})
+        if args.tree and not any(k.startswith("tree_") for k in tried):
+            raise SystemExit(f"the {kind} head in {args.drafter} is not tuned for trees: "
+                             f"draftsmith tune --policy {kind} --tree {args.tree} ...")
+        chosen = tuned_settings(heads[kind][1], mode == "greedy", tree=args.tree is not None)
         if chosen is None:
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
         return chosen
 
+    shape = TreeShape(*(int(x) for x in args.tree.split(","))) if args.tree else None
+    static = STATIC if shape is None else [f"tree{d}" for d in range(1, shape.depth + 1)]
+
+    def head_arm(kind: str, mode: str) -> tuple:
+        threshold, max_k = tuned(kind, mode)
+        max_k = shape.depth if shape is not None else max_k  # a tree round drafts at most its depth, as in eval
+        return (proposer, lambda p: make_policy(kind, head=heads[kind][0], threshold=threshold, max_k=max_k), shape)
+
     def factories(mode: str, references) -> dict:
-        """arm → (proposer, prompt → fresh policy)."""
+        """arm → (proposer, prompt → fresh policy, tree shape or None for chains)."""
+        arms = {"autoregressive": (plain, lambda p: make_policy("static", k=0), None)}
+        if shape is not None:  # the fixed trees, then the policies that size each round's
+            for d in range(1, shape.depth + 1):
+                arms[f"tree{d}"] = (proposer, lambda p: make_policy("static", k=0), replace(shape, depth=d))
+            meter = TreeCostMeter()
+            arms.update({"cost": (proposer, lambda p: TreeCost(meter=meter), shape),
+                         "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode)})
+            return arms
         meter = CostMeter()
-        h, hk = tuned("specdec", mode)
-        tau, sl = tuned("disco", mode)
-        arms = {"autoregressive": (plain, lambda p: make_policy("static", k=0))}
         for k in range(1, 9):
-            arms[f"static{k}"] = (proposer, lambda p, k=k: make_policy("static", k=k))
+            arms[f"static{k}"] = (proposer, lambda p, k=k: make_policy("static", k=k), None)
         arms.update({
-            "heuristic": (proposer, lambda p: make_policy("heuristic", k=5)),
-            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, max_k=8)),
-            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, max_k=8)),
-            "cost": (proposer, lambda p: make_policy("cost", max_k=8, meter=meter)),
-            "specdec": (proposer, lambda p: make_policy("specdec", head=heads["specdec"][0], threshold=h, max_k=hk)),
-            "disco": (proposer, lambda p: make_policy("disco", head=heads["disco"][0], threshold=tau, max_k=sl)),
+            "heuristic": (proposer, lambda p: make_policy("heuristic", k=5), None),
+            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, max_k=8), None),
+            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, max_k=8), None),
+            "cost": (proposer, lambda p: make_policy("cost", max_k=8, meter=meter), None),
+            "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode),
         })
         if references is not None:
             arms["oracle"] = (proposer, lambda p: make_policy("oracle", reference=references[tuple(p)][0],
-                                                                 drafts=references[tuple(p)][1], max_k=8))
+                                                                 drafts=references[tuple(p)][1], max_k=8), None)
         return arms
 
     def run_arms(arms: dict, ids, sampling) -> dict:
         """Every arm on every prompt, the arms alternating prompt by prompt (a drift in the machine's speed
         falls on all of them alike), `repeats` passes after a warm-up; per-arm figures."""
-        for name, (prop, make) in arms.items():
-            decode_all(runner, prop, ids[:1], 8, make, sampling, eos, 0)
+        for name, (prop, make, tree) in arms.items():
+            decode_all(runner, prop, ids[:1], 8, make, sampling, eos, 0, tree=tree)
         results = {name: [[] for _ in range(args.repeats)] for name in arms}
         for r in range(args.repeats):
             for i, x in enumerate(ids):
-                for name, (prop, make) in arms.items():
-                    results[name][r] += decode_all(runner, prop, [x], args.max_new_tokens, make, sampling, eos, 1000 * r + i)
+                for name, (prop, make, tree) in arms.items():
+                    results[name][r] += decode_all(runner, prop, [x], args.max_new_tokens, make, sampling, eos, 1000 * r + i,
+                                                   tree=tree)
             print(f"  pass {r + 1}: " + ", ".join(f"{n} {rate(v[r]):.2f}" for n, v in results.items()), flush=True)
         figures = {}
         for name, passes in results.items():
@@ -141,16 +167,18 @@ def main() -> None:
         tag = "" if temperature == 0 else f"_t{temperature:g}"
         report["head_settings"][mode] = {"specdec": tuned("specdec", mode), "disco": tuned("disco", mode), "confidence_roc": roc}
         val_ids = encode(load_prompts("heldout", args.val_limit, "first", args.data, data_limit=args.data_limit))
-        print(f"T={temperature:g}: choosing the best static K on {len(val_ids)} held-out prompts", flush=True)
-        static_arms = {k: v for k, v in factories(mode, None).items() if k in STATIC or k == "autoregressive"}
+        print(f"T={temperature:g}: choosing the best static {'depth' if shape else 'K'} on {len(val_ids)} held-out prompts",
+              flush=True)
+        static_arms = {k: v for k, v in factories(mode, None).items() if k in static or k == "autoregressive"}
         val = run_arms(static_arms, val_ids, sampling)
-        best = max(STATIC, key=lambda k: val[k]["tokens_per_second"])
+        best = max(static, key=lambda k: val[k]["tokens_per_second"])
         report[f"validation{tag}"] = {"figures": val, "best_static": best}
         print(f"  best static: {best}", flush=True)
         for name in args.sets if temperature == 0 else args.t1_sets:
             ids = encode(load_prompts(name, args.humaneval_limit if name == "humaneval" else args.limit))
             print(f"T={temperature:g} {name}: {len(ids)} prompts x {args.max_new_tokens} tokens", flush=True)
-            references = oracle_references(runner, proposer, ids, args.max_new_tokens, 8, eos) if temperature == 0 else None
+            references = (oracle_references(runner, proposer, ids, args.max_new_tokens, 8, eos)
+                          if temperature == 0 and shape is None else None)
             figures = run_arms(factories(mode, references), ids, sampling)
             base = figures[best]["tokens_per_second"]
             for f in figures.values():
@@ -197,11 +225,11 @@ def speedup_plot(report: dict, path: Path) -> None:
     for ax, panel in zip(axes[0], panels):
         figures, best = report[panel]["figures"], report[panel]["best_static"]
         arms = [a for a in figures if a != "autoregressive"]
-        colors = ["tab:gray" if a.startswith("static") and a != best else "tab:blue" if a == best else "tab:orange"
+        colors = ["tab:gray" if a.startswith(("static", "tree")) and a != best else "tab:blue" if a == best else "tab:orange"
                   for a in arms]
         ax.bar(arms, [figures[a]["speedup"] for a in arms], color=colors)
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_title(f"{panel}: speedup over autoregressive (blue: best static K)")
+        ax.set_title(f"{panel}: speedup over autoregressive (blue: the best static arm)")
         ax.tick_params(axis="x", rotation=70)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -167,6 +167,22 @@ def test_heads_travel_in_the_export_and_decode_losslessly(tiny_features, drafter
     assert result.returncode == 0, result.stderr[-3000:]
     described = json.loads((out / "results.json").read_text())["config"]["drafter"]
     assert f"threshold {tuned['threshold']:g}, at most {tuned['max_k']}" in described
+    # tune --tree: a threshold for tree rounds, kept apart from the chains', and used by eval --tree
+    result = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
+                     "--tree", "3,2,4", "--thresholds", "[0.2,0.8]", "--data", str(tiny_features / "chats.json"),
+                     "--data_val_fraction", "0.3", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+                     "--dtype", "float32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    every = json.loads((drafter / "config.json").read_text())["stop_heads"]["disco"]["tuned"]
+    assert every["greedy"] == tuned and every["tree_greedy"]["tree"] == "3,2,4" and every["tree_greedy"]["max_k"] == 3
+    out = tmp_path / "eval-tree"
+    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
+                     "--tree", "3,2,4", "--max_new_tokens", "8", "--limit", "1", "--repeats", "1", "--dtype", "float32",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert f"threshold {every['tree_greedy']['threshold']:g}, at most 3" in results["config"]["drafter"]
+    assert results["identical_outputs"] is True
 
 
 def test_the_confidence_threshold_by_transformers_roc_rule(labelled, drafter_export, tmp_path):

@@ -34,7 +34,9 @@ class DecodeOptions:
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy. With --policy cost (the default) the tree is the most
             a round may draft: each round's depth, node count and lookup tokens are chosen by their
-            measured cost; any other policy drafts EAGLE-2's fixed tree of that shape.
+            measured cost; with specdec or disco the stop head decides each round's depth (the chain's
+            rule on the best node the next level would expand); any other policy drafts EAGLE-2's fixed
+            tree of that shape.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
         head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
@@ -135,15 +137,7 @@ class DecodeOptions:
 
     def tree_shape(self) -> Any:
         """The TreeShape --tree asks for, or None for chain drafts."""
-        from draftsmith.runtime.tree import TreeShape
-
-        if self.tree is None:
-            return None
-        try:
-            depth, topk, total = (int(x) for x in str(self.tree).strip("[]() ").split(","))
-        except ValueError:
-            raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {self.tree!r}") from None
-        return TreeShape(depth, topk, total, self.lookup)
+        return parse_tree(self.tree, self.lookup)
 
 
 @dataclass(kw_only=True)
@@ -196,14 +190,32 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
     return lambda prompt: make_policy(cfg.policy, **args)
 
 
+def parse_tree(tree: str | None, lookup: int = 0) -> Any:
+    """--tree DEPTH,TOPK,TOKENS as a TreeShape (None: chain drafts)."""
+    from draftsmith.runtime.tree import TreeShape
+
+    if tree is None:
+        return None
+    try:
+        depth, topk, total = (int(x) for x in str(tree).strip("[]() ").split(","))
+    except ValueError:
+        raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {tree!r}") from None
+    return TreeShape(depth, topk, total, lookup)
+
+
 def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
     """(threshold, max_k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
-    wrote into the export for this kind of decoding (greedy or sampling), else the head's defaults."""
+    wrote into the export for this kind of decoding (greedy or sampling; with --tree, tuned on trees
+    where it was, else on chains), else the head's defaults. With --tree the most is the tree's depth:
+    the shape bounds a tree round, as it does for cost."""
     from draftsmith.models.loading import tuned_settings
 
     if cfg.stop_threshold is not None:
-        return cfg.stop_threshold, cfg.k
-    return tuned_settings(section, cfg.temperature == 0) or (DEFAULT_STOP_THRESHOLD, cfg.k)
+        threshold, max_k = cfg.stop_threshold, cfg.k
+    else:
+        tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None)
+        threshold, max_k = tuned or (DEFAULT_STOP_THRESHOLD, cfg.k)
+    return threshold, cfg.tree_shape().depth if cfg.tree is not None else max_k
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head

@@ -3,7 +3,10 @@
 - specdec, disco: every (threshold, maximum length) of a grid decodes the held-out prompts (the
   validation split of the drafter's training chats, never a benchmark's), and the fastest by measured
   tokens/s is written into the stop head's section of the drafter's export (`tuned.greedy` or
-  `tuned.sampling`), where `draftsmith eval --policy specdec|disco` finds it.
+  `tuned.sampling`), where `draftsmith eval --policy specdec|disco` finds it. With --tree the prompts
+  are decoded in EAGLE-2 trees of that shape, the head deciding each round's depth (at most the
+  tree's), and the threshold goes to `tuned.tree_greedy` or `tuned.tree_sampling`, where
+  `eval --tree ... --policy specdec|disco` finds it.
 - confidence: transformers' rule for its assisted generation's confidence threshold: on the drafted
   tokens of the labels' validation chats (score: the drafter's top probability; positive: the target
   accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve. No decoding.
@@ -34,7 +37,10 @@ class TuneConfig:
         policy: specdec, disco, or confidence (transformers' ROC rule on --labels, no decoding).
         thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.99 for specdec, 0.2
             to 0.9 by 0.1 for disco.
-        max_ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco.
+        max_ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco;
+            with --tree, the tree's depth.
+        tree: tune for EAGLE-2 tree rounds of this shape, DEPTH,TOPK,TOKENS (feature drafters), as
+            `eval --tree` drafts them; omit for chains.
         labels: the label directory (confidence: its validation chats give the ROC curve).
         val_fraction: the labels' validation share (as the head recipe's data.val_fraction).
         data: the chats whose validation split gives the held-out prompts (the drafter's training data).
@@ -55,6 +61,7 @@ class TuneConfig:
     policy: str = "specdec"
     thresholds: list[float] | None = None
     max_ks: list[int] | None = None
+    tree: str | None = None
     labels: str | None = None
     val_fraction: float = 0.1
     data: str = "sharegpt"
@@ -78,10 +85,20 @@ class TuneConfig:
             raise DraftsmithError("--thresholds must lie in [0, 1] and --max_ks be >= 1")
         if self.repeats < 1 or self.limit < 1:
             raise DraftsmithError("--repeats and --limit must be >= 1")
+        if self.tree is not None and self.policy == "confidence":
+            raise DraftsmithError("--policy confidence is tuned on labels, not by decoding: drop --tree")
+        self.tree_shape()  # a malformed --tree stops here
+
+    def tree_shape(self) -> Any:
+        from draftsmith.eval.evaluate import parse_tree
+
+        return parse_tree(self.tree)
 
     def grid(self) -> list[tuple[float, int]]:
         """(threshold, maximum length) pairs tried."""
         thresholds = self.thresholds or GRIDS.get(self.policy, [])
+        if self.tree is not None:  # a tree round drafts at most its depth
+            return [(t, self.tree_shape().depth) for t in thresholds]
         max_ks = self.max_ks or ([8] if self.policy == "specdec" else [4, 6, 8])
         return [(t, k) for k in max_ks for t in thresholds]
 
@@ -139,13 +156,14 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     ids = [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
     sampling = SamplingConfig(cfg.temperature)
     eos = target.eos_token_ids
+    tree = cfg.tree_shape()
 
     grid = cfg.grid()
 
     def policy_for(point: tuple[float, int]):
         return lambda prompt: make_policy(cfg.policy, head=head, threshold=point[0], max_k=point[1])
 
-    decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed)  # warm-up
+    decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed, tree=tree)  # warm-up
     rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}
     taus: dict[tuple[float, int], float] = {}
     with Progress(TextColumn("[bold]tune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -154,14 +172,15 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
         for r in range(cfg.repeats):
             for point in grid:
                 results = decode_all(runner, proposer, ids, cfg.max_new_tokens, policy_for(point), sampling, eos,
-                                     cfg.seed + r)
+                                     cfg.seed + r, tree=tree)
                 rates[point].append(sum(len(x.tokens) for x in results) / sum(x.seconds for x in results))
                 taus[point] = acceptance_stats(results)["tau"]
                 progress.advance(task)
     speed = {p: statistics.median(v) for p, v in rates.items()}
     best = max(grid, key=lambda p: speed[p])
-    mode = "greedy" if cfg.temperature == 0 else "sampling"
+    mode = ("tree_" if tree is not None else "") + ("greedy" if cfg.temperature == 0 else "sampling")
     chosen = {"threshold": best[0], "max_k": best[1], "tokens_per_second": round(speed[best], 2),
+              **({"tree": cfg.tree} if tree is not None else {}),
               "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
                        for t, k in grid],
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],

@@ -163,11 +163,14 @@ def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any)
     return head.to(target.device).eval(), section
 
 
-def tuned_settings(section: dict[str, Any], greedy: bool) -> tuple[float, int] | None:
+def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False) -> tuple[float, int] | None:
     """(threshold, max_k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
-    (the other kind's when only that was tuned), or None when it was never tuned."""
+    (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
+    tuned for tree rounds (`tune --tree`: `tree_greedy`, `tree_sampling`), else the chains'."""
     tuned = section.get("tuned", {})
-    chosen = tuned.get("greedy" if greedy else "sampling") or next(iter(tuned.values()), None)
+    modes = ["greedy", "sampling"] if greedy else ["sampling", "greedy"]
+    keys = ([f"tree_{m}" for m in modes] if tree else []) + modes
+    chosen = next((tuned[k] for k in keys if k in tuned), None)
     return None if chosen is None else (chosen["threshold"], chosen["max_k"])
 
 

@@ -21,7 +21,7 @@ from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.cache import decoding_cache
 from draftsmith.runtime.kernels import DecodeAttention, PackedLinears
-from draftsmith.runtime.policies import Fallback, Policy, TreeCost
+from draftsmith.runtime.policies import Fallback, Policy, TreeCost, TreeStop
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
 from draftsmith.runtime.targets import Rollback
@@ -181,11 +181,13 @@ def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], 
 
 
 def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int], shape: TreeShape, room: int,
-                sampling: SamplingConfig, generator: torch.Generator | None, sizer: TreeCost | None = None):
+                sampling: SamplingConfig, generator: torch.Generator | None, policy: Policy):
     """Draft an EAGLE-2 tree (with a prompt-lookup branch grafted on when the shape asks), verify it
     in one target forward under the tree mask, keep the accepted path's cache entries. Same returns
     as `_chain_round`, features of the path rows. `room`: drafted tokens that can still be committed.
-    `sizer` (the cost policy) chooses the depth, the nodes and the lookup tokens within the shape."""
+    A `TreeStop` policy decides the depth within the shape; the cost policy (`TreeCost`) also chooses
+    the nodes and the lookup tokens."""
+    sizer = policy if isinstance(policy, TreeCost) else None
     start = runner.cached()
     shape = replace(shape, depth=min(shape.depth, room))
     if sizer is not None and not sizer.meter.verify:
@@ -193,7 +195,7 @@ def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int
         sizer.meter.calibrate(lambda n: _verify_seconds(runner, sequence[-1], n),
                               [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
     t0 = time.perf_counter()
-    tree = proposer.propose_tree(shape, sizer.expand if sizer is not None else None)
+    tree = proposer.propose_tree(shape, policy.expand if isinstance(policy, TreeStop) else None)
     seconds = time.perf_counter() - t0
     if sizer is not None:
         sizer.meter.levels.append(seconds / max(1, tree.max_depth))
@@ -240,7 +242,8 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
     """Speculative decoding of up to `max_new_tokens` after `prompt`; returns tokens and per-round stats.
 
     With `tree`, each round drafts an EAGLE-2 dynamic tree (feature drafters only) instead of
-    asking `policy` for a chain; deferral rules (`rule`) apply to chain drafts.
+    asking `policy` for a chain; a `TreeStop` policy (cost, specdec, disco) decides how deep it goes,
+    any other drafts the full shape. Deferral rules (`rule`) apply to chain drafts.
     """
     if tree is not None and not isinstance(proposer, TreeProposer):
         raise DraftsmithError(f"tree drafting needs a feature drafter (EAGLE/HASS/EAGLE-3), not {type(proposer).__name__}")
@@ -266,7 +269,7 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
                 runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
             accepted, token, (final, aux), (k, depth) = _tree_round(
-                runner, proposer, sequence, tree, room, sampling, generator, policy if isinstance(policy, TreeCost) else None)
+                runner, proposer, sequence, tree, room, sampling, generator, policy)
         new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
             if x in eos_token_ids:

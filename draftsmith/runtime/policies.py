@@ -4,6 +4,10 @@ A policy reads only the draft (`DraftStep`): how many tokens were drafted this r
 last one, the drafter's raw distribution it was drawn from and the drafter's hidden state that
 produced that distribution, so learned stop heads (SpecDec++, DISCO) plug in as policies and
 decoding stays lossless whatever they decide. `end_round` tells it what was accepted.
+
+Trees: a policy that also has `expand` (`TreeStop`: the cost policy and both stop heads) is asked
+before each level of an EAGLE-2 tree after the first whether to draft it (`TreeLevel`); the others
+leave trees their full shape.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -36,6 +40,20 @@ class DraftStep:
     committed: int = 0
 
 
+@dataclass(frozen=True)
+class TreeLevel:
+    """A tree round before its next level, as a tree policy sees it: `levels` drafted so far, the
+    scores (log path probabilities) of every node drafted so far and of the nodes the next level
+    would expand (best first), and `path`: the best of those nodes and its ancestors, the root's
+    child first, each as the DraftStep a chain policy would see after drafting it (position i, the
+    node's token, the distribution it was drawn from and the hidden state that produced that)."""
+
+    levels: int
+    scores: list[float]
+    expanding: list[float]
+    path: Sequence[DraftStep] = ()
+
+
 class Policy(Protocol):
     """How many tokens a round drafts."""
 
@@ -51,6 +69,15 @@ class Policy(Protocol):
 
     def end_round(self, drafted: int, accepted: int) -> None:
         """What verification made of the round's draft."""
+        ...
+
+
+@runtime_checkable
+class TreeStop(Protocol):
+    """A policy that also decides how deep an EAGLE-2 tree goes."""
+
+    def expand(self, level: TreeLevel) -> bool:
+        """Draft level `level.levels` + 1?"""
         ...
 
 
@@ -396,17 +423,15 @@ class TreeCost:
                 best = (n, rate)
         return best
 
-    def expand(self, levels: int, scores: list[float], expanding: list[float]) -> bool:
-        """Before drafting level `levels` + 1: `scores` of every node drafted so far, `expanding` of the
-        nodes the level would expand."""
-        level = self.meter.level_seconds()
-        if level is None:  # not timed yet: the full shape
+    def expand(self, level: TreeLevel) -> bool:
+        seconds = self.meter.level_seconds()
+        if seconds is None:  # not timed yet: the full shape
             return True
         beta = self.meter.beta()
-        values = sorted((beta * math.exp(s) for s in scores), reverse=True)
-        n, rate = self._best(values, levels * level)
-        added = level + self.meter.verify_seconds(n + len(expanding)) - self.meter.verify_seconds(n)
-        return beta * sum(math.exp(s) for s in expanding) >= rate * added
+        values = sorted((beta * math.exp(s) for s in level.scores), reverse=True)
+        n, rate = self._best(values, level.levels * seconds)
+        added = seconds + self.meter.verify_seconds(n + len(level.expanding)) - self.meter.verify_seconds(n)
+        return beta * sum(math.exp(s) for s in level.expanding) >= rate * added
 
     def size(self, scores: torch.Tensor, draft_seconds: float) -> int:
         """How many of a drafted tree's best nodes (scores (n,)) to verify."""
@@ -452,6 +477,7 @@ class AcceptanceStop:
     max_k: int = 8
     name: str = "specdec"
     accepted: float = field(default=1.0, repr=False)  # Π a_i of this round's draft so far
+    nodes: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)  # a tree round's a_i by path
 
     def max_tokens(self) -> int:
         return self.max_k
@@ -465,6 +491,23 @@ class AcceptanceStop:
             return False
         self.accepted *= self.head.acceptance(step.hidden, step.q_raw, step.position)
         return 1 - self.accepted <= self.threshold
+
+    @torch.no_grad()
+    def expand(self, level: TreeLevel) -> bool:
+        """Trees: draft the next level while the chain's rule holds for the best node it would expand,
+        Π a_i over that node's path (so a tree of top-k 1 is as deep as the chain is long). Each node's
+        a_i is computed once a round."""
+        if level.levels == 1:
+            self.nodes = {}
+        if level.levels >= self.max_k:
+            return False
+        accepted, tokens = 1.0, ()
+        for step in level.path:
+            tokens += (step.token,)
+            if tokens not in self.nodes:
+                self.nodes[tokens] = self.head.acceptance(step.hidden, step.q_raw, step.position)
+            accepted *= self.nodes[tokens]
+        return 1 - accepted <= self.threshold
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
@@ -489,6 +532,12 @@ class ClassifierStop:
         if step.position == 0:
             return self.max_k > 0
         return step.position < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
+
+    @torch.no_grad()
+    def expand(self, level: TreeLevel) -> bool:
+        """Trees: draft the next level while the best node it would expand passes the chain's rule."""
+        step = level.path[-1]
+        return level.levels < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass

@@ -17,7 +17,7 @@ import torch
 from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
 from draftsmith.runtime.cache import StaticKV, decoding_cache
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
-from draftsmith.runtime.policies import DraftStep, Policy
+from draftsmith.runtime.policies import DraftStep, Policy, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
 
@@ -48,9 +48,8 @@ class Proposer(Protocol):
         ...
 
 
-# expand(levels drafted, scores of every node so far, scores of the nodes the next level would
-# expand) → whether to draft that level (TreeCost.expand)
-Expand = Callable[[int, list[float], list[float]], bool]
+# expand(the tree so far) → whether to draft its next level (a TreeStop policy's expand)
+Expand = Callable[[TreeLevel], bool]
 
 
 @runtime_checkable
@@ -259,9 +258,12 @@ class FeatureProposer:
         candidates: list[tuple[int, int, float, int]] = []  # (token, parent candidate, score, depth)
         ancestors: dict[int, tuple[int, ...]] = {}  # strict ancestors of each candidate
         hidden_of = {-1: self.hidden[0, 0]}  # the drafter's output that predicts a node's children
+        logp_of: dict[int, torch.Tensor] = {}  # ... and the log-distribution it gave them (V or Vd,)
+        q_of: dict[int, torch.Tensor] = {}  # its distribution, computed when a policy reads it
 
         def add_children(hidden: torch.Tensor, parents: list[int], depth: int) -> list[int]:
             logp = torch.log_softmax(self.drafter.logits(hidden)[0].float(), dim=-1)  # (m, V or Vd)
+            logp_of.update(zip(parents, logp))
             top = logp.topk(min(shape.topk, logp.shape[-1]), dim=-1)
             ids = top.indices if self.to_target is None else self.to_target[top.indices]
             new = []
@@ -273,11 +275,19 @@ class FeatureProposer:
                     ancestors[new[-1]] = ancestors[parent] + (parent,) if parent >= 0 else ()
             return new
 
+        def step(node: int) -> DraftStep:  # what a chain policy sees after drafting `node`
+            token, parent, _, depth = candidates[node]
+            if parent not in q_of:
+                q_of[parent] = logp_of[parent].exp()
+            return DraftStep(depth, token, q_of[parent], hidden_of[parent])
+
         frontier = add_children(self.hidden, [-1], 1)
         expanded: list[int] = []  # candidate behind each speculative buffer entry, in order
         for depth in range(2, shape.depth + 1):
             nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
-            if expand is not None and not expand(depth - 1, [c[2] for c in candidates], [candidates[c][2] for c in nodes]):
+            best_path = [step(c) for c in ancestors[nodes[0]] + (nodes[0],)] if expand is not None else []
+            if expand is not None and not expand(TreeLevel(depth - 1, [c[2] for c in candidates],
+                                                           [candidates[c][2] for c in nodes], best_path)):
                 break
             m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
             mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool, device=device)

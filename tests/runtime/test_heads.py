@@ -14,6 +14,7 @@ from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.policies import AcceptanceStop, ClassifierStop, Confidence, DraftStep, Static
 from draftsmith.runtime.proposers import ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
+from draftsmith.runtime.tree import TreeShape
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
 from tests.runtime.test_generate import exact_law, proposers
@@ -197,3 +198,58 @@ def test_sampling_with_a_head_policy_is_lossless(policy_name):
     chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
     df = len(cells) - 1
     assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
+
+
+def top1_acceptance_head(size, cut, k=4):
+    """An acceptance head reading DISCO's features whose a ≈ 1 iff the drafter's top-1 probability ≥ cut."""
+    head = AcceptanceHead(AcceptanceHeadConfig(size, num_layers=2, draft_features=k))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.out.weight[0, size] = 200.0
+        head.out.bias.fill_(-200.0 * cut)
+    return head
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("policy_name", ["specdec", "disco"])
+def test_a_stop_head_grows_a_top1_tree_as_deep_as_the_chain_it_drafts(target, kind, policy_name):
+    """A tree of top-k 1 is the greedy chain: with a stop head deciding its depth, every round is as deep
+    as the chain that head drafts, and the output is the target's own."""
+    proposer = proposers(target)[kind]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    recorder = Recorder(6)  # cuts at quantiles of this drafter's top-1 probabilities
+    for prompt, _ in greedy_cases(target, seeds=2):
+        generate(runner, proposer, prompt, 24, recorder)
+    top1 = sorted({float(s.q_raw.max()) for s in recorder.steps if s.q_raw is not None})
+    depths = set()
+    for cut in [(top1[i] + top1[i + 1]) / 2 for i in (len(top1) // 5, len(top1) // 2, 4 * len(top1) // 5)]:  # between two
+        def make():
+            if policy_name == "specdec":
+                return AcceptanceStop(top1_acceptance_head(hidden_size(proposer), cut), 0.5, max_k=6)
+            return ClassifierStop(top1_classifier(4, cut), 0.5, max_k=6)
+        for prompt, expected in greedy_cases(target, seeds=2):
+            chain = generate(runner, proposer, prompt, 24, make())
+            tree = generate(runner, proposer, prompt, 24, make(), tree=TreeShape(6, 1, 6))
+            assert tree.tokens == chain.tokens == expected
+            assert [r.depth for r in tree.rounds] == [r.drafted for r in chain.rounds]
+            depths |= {r.depth for r in tree.rounds}
+    assert len(depths) > 2  # the head's decisions vary, so the comparison tests something
+
+
+def test_a_constant_acceptance_head_stops_a_wide_tree_where_its_formula_says(target):
+    """a = 0.8 at every node: 1 − 0.8^j first exceeds h = 0.5 at j = 4 and h = 0.6 at j = 5, so every tree
+    drafts 4 (5) levels of the 6 its shape allows: one drafter forward each after the first, plus the
+    round's observe. Each node's a_i is computed once."""
+    proposer = proposers(target)["eagle"]
+    runner = TargetRunner(target)
+    head = constant_acceptance_head(hidden_size(proposer), 0.8)
+    calls = []
+    counted = head.acceptance
+    head.acceptance = lambda *a: calls.append(a) or counted(*a)
+    for h, levels in ((0.5, 4), (0.6, 5)):
+        calls.clear()
+        out = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, h, max_k=8), tree=TreeShape(6, 3, 10))
+        full = out.rounds[:-6]  # the last rounds are cut by the room left
+        assert {r.drafter_forwards for r in full} == {levels}
+        assert len(calls) <= sum(r.drafter_forwards for r in out.rounds) * 3  # not once per node per level

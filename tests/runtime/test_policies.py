@@ -145,6 +145,15 @@ def test_eval_default_is_cost_aware_with_one_meter_per_run():
     assert policy_factory(EvalConfig(target=""))([]).meter is not a.meter
 
 
+def test_a_stop_head_on_a_tree_may_draft_as_deep_as_the_tree():
+    """--tree bounds a tree round for a stop head as it does for cost; --k still bounds a chain."""
+    from draftsmith.eval.evaluate import stop_settings
+
+    assert stop_settings(EvalConfig(target="", policy="specdec", stop_threshold=0.7, k=3), {}) == (0.7, 3)
+    assert stop_settings(EvalConfig(target="", policy="specdec", stop_threshold=0.7, k=3, tree="5,4,12"), {}) == (0.7, 5)
+    assert stop_settings(EvalConfig(target="", policy="disco", k=3, tree="6,4,12"), {})[1] == 6
+
+
 def test_policies_read_the_hidden_state_that_drafted_each_token(target):
     """Each step's hidden state is the drafter's state whose distribution the step's token was drawn
     from: a stop head reading it judges the token it is asked about (feature and standalone drafters)."""

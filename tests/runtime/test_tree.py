@@ -9,7 +9,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import Static
+from draftsmith.runtime.policies import ClassifierStop, Static
 from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, graft, lookup_continuation,
@@ -170,21 +170,44 @@ def test_sibling_wise_sampling_is_lossless_at_one_node():
     assert chi2 < 20.5, (chi2, counts)  # chi-square(4): 0.1% tail at 18.5
 
 
-@pytest.mark.parametrize("cfg, shape, prompt", [
-    (SamplingConfig(temperature=1.0), TreeShape(2, 2, 4), [1, 2]),
-    (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5), [1, 2]),
-    (SamplingConfig(temperature=1.3, top_p=0.8), TreeShape(2, 3, 6), [1, 2]),
-    (SamplingConfig(temperature=1.0), TreeShape(1, 2, 2, lookup=3), [1, 2, 3, 1, 2])])  # a grafted branch 3 1 2
-def test_multi_step_tree_sampling_is_lossless(cfg, shape, prompt):
-    tv, length, n = 4, 3, 2000
+def top1_stop():
+    """DISCO's rule on a classifier that draws the next level iff the best node's top-1 probability is at least
+    0.424: for `peaky_drafter` after the prompt [1, 2], true after two of the four first tokens."""
+    from tests.runtime.test_heads import top1_classifier
+
+    return ClassifierStop(top1_classifier(3, 0.424), 0.5, 3)
+
+
+def peaky_drafter(target):
+    """An EAGLE drafter whose distributions differ from token to token (random weights alone give near-uniform
+    ones that hardly depend on the token)."""
+    drafter = EagleDrafter(target.config, target.model.embed_tokens.weight * 50, target.lm_head.weight)
+    drafter.head_input = lambda h: h * 100
+    return drafter
+
+
+@pytest.mark.parametrize("cfg, shape, prompt, policy", [
+    (SamplingConfig(temperature=1.0), TreeShape(2, 2, 4), [1, 2], None),
+    (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5), [1, 2], None),
+    (SamplingConfig(temperature=1.3, top_p=0.8), TreeShape(2, 3, 6), [1, 2], None),
+    (SamplingConfig(temperature=1.0), TreeShape(1, 2, 2, lookup=3), [1, 2, 3, 1, 2], None),  # a grafted branch 3 1 2
+    (SamplingConfig(temperature=1.0), TreeShape(3, 2, 6), [1, 2], top1_stop)])  # a stop head sets the depth
+def test_multi_step_tree_sampling_is_lossless(cfg, shape, prompt, policy):
+    tv, length, n = (4, 3, 2000) if policy is None else (4, 4, 4000)  # 4 tokens: room for a second level
     target = make_llama(tv, seed=3, hidden=16, layers=1)
     torch.manual_seed(5)
-    drafter = EagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight)
+    if policy is None:
+        drafter = EagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight)
+    else:
+        drafter = peaky_drafter(target)
     law = exact_law(target, prompt, length, cfg)
     g = torch.Generator().manual_seed(0)
     runner, proposer = TargetRunner(target), FeatureProposer(drafter, tv)
-    counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(0), cfg, generator=g, tree=shape).tokens)
-                     for _ in range(n))
+    policy = policy() if policy is not None else Static(0)
+    outs = [generate(runner, proposer, prompt, length, policy, cfg, generator=g, tree=shape) for _ in range(n)]
+    if isinstance(policy, ClassifierStop):
+        assert len({r.drafter_forwards for o in outs for r in o.rounds[:1]}) > 1, "the head never changed the depth"
+    counts = Counter(tuple(o.tokens) for o in outs)
     cells = [s for s in law if law[s] > 0]
     assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
     chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)

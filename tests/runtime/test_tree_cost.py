@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import TreeCost, TreeCostMeter
+from draftsmith.runtime.policies import TreeCost, TreeCostMeter, TreeLevel
 from draftsmith.runtime.tree import TreeShape, build_tree, prune
 from tests.runtime.conftest import greedy_cases
 from tests.runtime.test_tree import feature_proposers
@@ -60,13 +60,13 @@ def test_a_level_is_drafted_only_if_it_can_pay_for_itself():
     meter = meter_with(lambda n: 1.0 + 0.01 * n, level=0.05)
     policy = TreeCost(meter=meter)
     sure = [math.log(0.9), math.log(0.8)]
-    assert policy.expand(1, sure, sure)  # the level can add up to 1.7 tokens for ~6% of a step
+    assert policy.expand(TreeLevel(1, sure, sure))  # the level can add up to 1.7 tokens for ~6% of a step
     unlikely = [math.log(0.01), math.log(0.01)]
-    assert not policy.expand(1, sure + unlikely, unlikely)  # at most 0.02 tokens
+    assert not policy.expand(TreeLevel(1, sure + unlikely, unlikely))  # at most 0.02 tokens
     slow = TreeCost(meter=meter_with(lambda n: 1.0 + 0.01 * n, level=5.0))
-    assert not slow.expand(1, sure, sure)  # a level that costs five target steps
+    assert not slow.expand(TreeLevel(1, sure, sure))  # a level that costs five target steps
     untimed = TreeCost(meter=meter_with(lambda n: 1.0))
-    assert untimed.expand(1, unlikely, unlikely)  # until a level is timed, the full shape
+    assert untimed.expand(TreeLevel(1, unlikely, unlikely))  # until a level is timed, the full shape
 
 
 def test_lookup_tokens_are_kept_while_their_chance_pays():
