@@ -66,15 +66,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.eval.evaluate import oracle_references
+    from draftsmith.eval.evaluate import oracle_references, parse_tree
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import STOP_HEADS, load_proposer, load_stop_head, native_config_path, tuned_settings
+    from draftsmith.models.loading import (STOP_HEADS, load_proposer, load_stop_head, native_config_path, tuned_key,
+                                           tuned_settings)
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import CostMeter, TreeCost, TreeCostMeter, make_policy
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
-    from draftsmith.runtime.tree import TreeShape
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def main() -> None:
 
     def tuned(kind: str, mode: str) -> tuple[float, int]:
         tried = heads[kind][1].get("tuned", {})
-        if args.tree and not any(k.startswith("tree_") for k in tried):
+        if args.tree and not any(tuned_key(greedy, True) in tried for greedy in (True, False)):
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned for trees: "
                              f"draftsmith tune --policy {kind} --tree {args.tree} ...")
         chosen = tuned_settings(heads[kind][1], mode == "greedy", tree=args.tree is not None)
@@ -102,7 +102,7 @@ def main() -> None:
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
         return chosen
 
-    shape = TreeShape(*(int(x) for x in args.tree.split(","))) if args.tree else None
+    shape = parse_tree(args.tree)
     static = STATIC if shape is None else [f"tree{d}" for d in range(1, shape.depth + 1)]
 
     def head_arm(kind: str, mode: str) -> tuple:

@@ -141,7 +141,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import load_proposer, load_stop_head, update_stop_heads
+    from draftsmith.models.loading import load_proposer, load_stop_head, tuned_key, update_stop_heads
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner
     from draftsmith.runtime.policies import make_policy
@@ -178,7 +178,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
                 progress.advance(task)
     speed = {p: statistics.median(v) for p, v in rates.items()}
     best = max(grid, key=lambda p: speed[p])
-    mode = ("tree_" if tree is not None else "") + ("greedy" if cfg.temperature == 0 else "sampling")
+    mode = tuned_key(cfg.temperature == 0, tree is not None)
     chosen = {"threshold": best[0], "max_k": best[1], "tokens_per_second": round(speed[best], 2),
               **({"tree": cfg.tree} if tree is not None else {}),
               "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}

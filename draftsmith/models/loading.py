@@ -163,13 +163,18 @@ def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any)
     return head.to(target.device).eval(), section
 
 
+def tuned_key(greedy: bool, tree: bool) -> str:
+    """Where `draftsmith tune` files its choice in a stop-head section's `tuned`: greedy, sampling,
+    tree_greedy or tree_sampling."""
+    return ("tree_" if tree else "") + ("greedy" if greedy else "sampling")
+
+
 def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False) -> tuple[float, int] | None:
     """(threshold, max_k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
     (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
-    tuned for tree rounds (`tune --tree`: `tree_greedy`, `tree_sampling`), else the chains'."""
+    tuned for tree rounds (`tune --tree`), else the chains'."""
     tuned = section.get("tuned", {})
-    modes = ["greedy", "sampling"] if greedy else ["sampling", "greedy"]
-    keys = ([f"tree_{m}" for m in modes] if tree else []) + modes
+    keys = [tuned_key(g, t) for t in ((True, False) if tree else (False,)) for g in (greedy, not greedy)]
     chosen = next((tuned[k] for k in keys if k in tuned), None)
     return None if chosen is None else (chosen["threshold"], chosen["max_k"])
 

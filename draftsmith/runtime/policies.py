@@ -533,11 +533,10 @@ class ClassifierStop:
             return self.max_k > 0
         return step.position < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
 
-    @torch.no_grad()
     def expand(self, level: TreeLevel) -> bool:
-        """Trees: draft the next level while the best node it would expand passes the chain's rule."""
-        step = level.path[-1]
-        return level.levels < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
+        """Trees: draft the next level while the best node it would expand passes the chain's rule (the
+        node sits at position `level.levels` ≥ 1 of its path)."""
+        return self.keep_going(level.path[-1])
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass

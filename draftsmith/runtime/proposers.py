@@ -285,10 +285,11 @@ class FeatureProposer:
         expanded: list[int] = []  # candidate behind each speculative buffer entry, in order
         for depth in range(2, shape.depth + 1):
             nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
-            best_path = [step(c) for c in ancestors[nodes[0]] + (nodes[0],)] if expand is not None else []
-            if expand is not None and not expand(TreeLevel(depth - 1, [c[2] for c in candidates],
-                                                           [candidates[c][2] for c in nodes], best_path)):
-                break
+            if expand is not None:
+                best_path = [step(c) for c in ancestors[nodes[0]] + (nodes[0],)]
+                scores, expanding = [c[2] for c in candidates], [candidates[c][2] for c in nodes]
+                if not expand(TreeLevel(depth - 1, scores, expanding, best_path)):
+                    break
             m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
             mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool, device=device)
             mask[..., : self.anchors] = True
