@@ -26,6 +26,18 @@ transformers' module calls, tree bookkeeping).
 
 `--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
 torch.compile, inductor, weights frozen); the reference path stays eager.
+
+`--graphs` adds a third arm: `GraphRunner` (runtime/graphs.py), fixed-capacity KV slabs and, on a
+GPU, each verification forward replayed from a CUDA graph (keys `ar_ms_graphs`, `ratio_<shape>_graphs`).
+
+On a GPU (`--device cuda`), with a random-weight target of a known shape (no download):
+
+    python benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 --graphs
+
+also measures the device's copy bandwidth and prints the autoregressive step against its floor, the
+bytes of weights one step reads over that bandwidth (`ar_floor_ms`, `copy_gbps`). The drafter is a
+fresh EAGLE-3 drafter of the target's shape (fused layers [2, N/2, N-3]). `--layers N` keeps only the
+first N decoder layers of a random target (a quick check of the script on a CPU).
 """
 
 from __future__ import annotations
@@ -38,15 +50,75 @@ from collections import defaultdict
 import torch
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+RANDOM_TARGETS = {  # shapes of public checkpoints, built with random weights (nothing is downloaded)
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+
+
+def random_target(name: str, dtype: torch.dtype, device: str, layers: int | None):
+    """A random-weight Llama of a named shape, built on the device, as the few attributes this script reads."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = RANDOM_TARGETS.get(name)
+    if shape is None:
+        raise SystemExit(f"unknown random target {name!r}; known: {sorted(RANDOM_TARGETS)}")
+    config = LlamaConfig(**{**shape, **({"num_hidden_layers": layers} if layers else {})})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+    return SimpleNamespace(model=model, config=config, decoder=model.get_decoder(), embed_tokens=model.get_input_embeddings(),
+                           lm_head=model.get_output_embeddings(), vocab_size=config.vocab_size,
+                           hidden_size=config.hidden_size, dtype=dtype, num_layers=config.num_hidden_layers)
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights one decoding step reads: all of them but the input embedding's unread rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embed is head else total - embed.numel() * embed.element_size()
+
+
+def copy_bandwidth(device: str, gib: float = 4.0) -> float:
+    """GB/s of a large device-to-device copy, bytes read plus bytes written (median of 10)."""
+    src = torch.randn(int(gib * 2**30) // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * 4 / ms / 1e6
 
 
 CATEGORIES = {  # ATen / oneDNN op name → part of a round
@@ -80,9 +152,11 @@ def fresh_eagle3(target, layer_ids: list[int], draft_vocab: int):
 
     torch.manual_seed(0)
     norm = getattr(target.decoder, "norm", None)
-    drafter = Eagle3Drafter(target.config, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
-                            norm.weight if norm is not None else None, torch.arange(draft_vocab), len(layer_ids),
-                            target.hidden_size)
+    device = target.embed_tokens.weight.device
+    with torch.device(device):
+        drafter = Eagle3Drafter(target.config, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(),
+                                norm.weight if norm is not None else None, torch.arange(draft_vocab), len(layer_ids),
+                                target.hidden_size)
     return drafter.to(dtype=target.dtype)
 
 
@@ -98,17 +172,36 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
     ap.add_argument("--compile", action="store_true",
                     help="time the runtime with its decoder compiled (torch.compile, inductor); the reference stays eager")
+    ap.add_argument("--graphs", action="store_true",
+                    help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
+    ap.add_argument("--target", default="embedded:smollm2-135m-instruct",
+                    help=f"the embedded target, or random:<shape> with shape one of {sorted(RANDOM_TARGETS)}")
+    ap.add_argument("--layers", type=int, default=None, help="a random target's decoder layers (default: the shape's)")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="the fresh drafter's head size")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
-    from draftsmith.eval.evaluate import EvalConfig
+    from draftsmith.eval.evaluate import parse_tree
     from draftsmith.models.loading import load_proposer
-    from draftsmith.models.target import load_target
+    from draftsmith.models.target import DTYPES, load_target
     from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.graphs import GraphRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import FeatureProposer
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.runtime.tree import DraftTree
 
-    target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
+    if args.target.startswith("random:"):
+        target = random_target(args.target.split(":", 1)[1], DTYPES[args.dtype], args.device, args.layers)
+    else:
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+    floor = ""
+    if args.device.startswith("cuda"):
+        gbps = copy_bandwidth(args.device)
+        floor_ms = step_bytes(target.model) / gbps / 1e6
+        floor = f"ar_floor_ms={floor_ms:.2f} copy_gbps={gbps:.0f}"
+        print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {gbps:.0f} GB/s (read + written); "
+              f"a step reads {step_bytes(target.model) / 1e9:.2f} GB of weights: floor {floor_ms:.2f} ms", flush=True)
 
     if args.drafter:
         loaded, what = load_proposer(args.drafter, target)
@@ -116,19 +209,27 @@ def main() -> None:
             raise SystemExit(f"{args.drafter}: round costs are timed for feature drafters (EAGLE/HASS/EAGLE-3)")
         drafter, layer_ids = loaded.drafter, loaded.aux_layer_ids
     else:
-        layer_ids = [2, 15, 27]
-        drafter, what = fresh_eagle3(target, layer_ids, 8192), "fresh EAGLE-3, fused [2, 15, 27], 8192-token head"
+        n = target.num_layers
+        layer_ids = [2, n // 2, n - 3]
+        drafter = fresh_eagle3(target, layer_ids, args.draft_vocab)
+        what = f"fresh EAGLE-3, fused {layer_ids}, {args.draft_vocab}-token head"
 
     torch.manual_seed(0)
     prompt = torch.randint(1000, target.vocab_size, (args.context,)).tolist()
     sampling = SamplingConfig()
     shapes = [(f"chain {k}", k) for k in (int(x) for x in args.chains.split(",") if x)]
-    shapes += [(f"tree {spec}", EvalConfig(target="", tree=spec).tree_shape()) for spec in args.trees]
+    shapes += [(f"tree {spec}", parse_tree(spec)) for spec in args.trees]
+    failures: list[str] = []
+    replays: dict[str, float] = {}
 
-    def time_runtime(fast: bool) -> list[tuple[str, int, float, float]]:
-        """Rows (shape, verified tokens, draft ms, verify ms) of one runtime."""
+    def time_runtime(arm: str) -> list[tuple[str, int, float, float]]:
+        """Rows (shape, verified tokens, draft ms, verify ms) of one runtime: runtime, graphs or reference."""
+        fast = arm != "reference"
         proposer = FeatureProposer(drafter, target.vocab_size, layer_ids, fast=fast)
-        runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
+        if arm == "graphs":
+            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256)
+        else:
+            runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
         with torch.no_grad():
             runner.reset()
             _, final, aux = runner.forward(prompt, last_logits=True)
@@ -156,40 +257,66 @@ def main() -> None:
         for name, shape in shapes:
             if isinstance(shape, int):
                 draft = drafter_round(lambda k=shape: proposer.propose(prompt, Static(k), k, sampling, None))
-                tokens, tree = draft()[0], None
             else:
                 draft = drafter_round(lambda shape=shape: proposer.propose_tree(shape))
-                tree = draft()
+            try:
+                drafted = draft()
+                draft_ms = median_ms(draft, args.repeats)
+            except Exception as e:  # noqa: BLE001 - time the verification anyway, report the drafter's failure
+                failures.append(f"{arm} {name}: drafting failed: {type(e).__name__}: {e}")
+                drafted, draft_ms = None, float("nan")
+            if isinstance(shape, int):
+                tree, tokens = None, drafted[0] if drafted is not None else prompt[:shape]
+            else:  # a stand-in tree of the shape's node count (a chain under a tree mask) if drafting failed
+                size = shape.total_tokens
+                tree = drafted if drafted is not None else DraftTree(
+                    torch.tensor(prompt[:size], device=runner.device), torch.arange(-1, size - 1, device=runner.device),
+                    torch.arange(1, size + 1, device=runner.device), torch.zeros(size, device=runner.device))
                 tokens = tree.tokens.tolist()
-            rows.append((name, len(tokens), median_ms(draft, args.repeats), median_ms(verify(tokens, tree), args.repeats)))
+            rows.append((name, len(tokens), draft_ms, median_ms(verify(tokens, tree), args.repeats)))
             if not any(n.startswith(name.split()[0]) for n in profiled):
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
+        if getattr(runner, "capture", False):  # the one-token graph's replay alone: the GPU's share of a step
+            replays["ar_replay_ms_graphs"] = median_ms(runner.graphs[1][0].replay, args.repeats)
         if args.profile:
-            label = "runtime" if fast else "reference"
             for name, fn in profiled.items():
                 parts = profile_ms(fn, max(3, args.repeats // 2))
-                print(f"profile {label:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+                print(f"profile {arm:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
         return rows
 
-    start = time.perf_counter()
-    rows = time_runtime(True)
-    runtime_s = time.perf_counter() - start
-    reference = time_runtime(False)
-    reference_s = time.perf_counter() - start - runtime_s
-    compiled = (f"; decoder compiled: the runtime's arm took {runtime_s:.0f} s in all against the reference's "
-                f"{reference_s:.0f} s, the difference being mostly compilation") if args.compile else ""
-    print(f"drafter: {what}; {args.context} cached tokens; {args.dtype}; medians of {args.repeats}{compiled}")
-    print(f"{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
-          f"{'τ for 1.5x':>12}{'reference round/AR':>20}")
-    ar, ar_reference = rows[0][3], reference[0][3]
-    parts = [f"ar_ms={ar:.1f}", f"ar_ms_reference={ar_reference:.1f}"]
-    for (name, n, draft_ms, verify_ms), (_, _, ref_draft, ref_verify) in zip(rows, reference):
-        ratio, ref_ratio = (draft_ms + verify_ms) / ar, (ref_draft + ref_verify) / ar_reference
-        print(f"{name:<16}{n:>9}{draft_ms:>10.1f}{verify_ms:>11.1f}{draft_ms + verify_ms:>10.1f}{ratio:>10.2f}"
-              f"{1.5 * ratio:>12.2f}{ref_ratio:>20.2f}")
-        if name != "autoregressive":
-            key = name.replace(" ", "").replace(",", "_")
-            parts += [f"ratio_{key}={ratio:.3f}", f"ratio_{key}_reference={ref_ratio:.3f}"]
+    arms = ["runtime", "reference"] + (["graphs"] if args.graphs else [])
+    timed, seconds = {}, {}
+    for arm in arms:
+        start = time.perf_counter()
+        try:
+            timed[arm] = time_runtime(arm)
+        except Exception as e:  # noqa: BLE001 - report the other arms
+            failures.append(f"{arm}: {type(e).__name__}: {e}")
+            import traceback
+
+            traceback.print_exc()
+        seconds[arm] = time.perf_counter() - start
+    for failure in failures:
+        print("FAILED " + failure)
+    compiled = (f"; decoder compiled: the runtime's arm took {seconds['runtime']:.0f} s in all against the "
+                f"reference's {seconds['reference']:.0f} s, the difference being mostly compilation") if args.compile else ""
+    print(f"target: {args.target}; drafter: {what}; {args.context} cached tokens; {args.dtype}; {args.device}; "
+          f"medians of {args.repeats}{compiled}")
+    print(f"{'arm':<10}{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"
+          f"{'τ for 1.5x':>12}")
+    parts = [floor] if floor else []
+    for arm, rows in timed.items():
+        suffix = "" if arm == "runtime" else f"_{arm}"
+        ar = rows[0][3]
+        parts.append(f"ar_ms{suffix}={ar:.2f}")
+        for name, n, draft_ms, verify_ms in rows:
+            ratio = (draft_ms + verify_ms) / ar
+            print(f"{arm:<10}{name:<16}{n:>9}{draft_ms:>10.2f}{verify_ms:>11.2f}{draft_ms + verify_ms:>10.2f}{ratio:>10.2f}"
+                  f"{1.5 * ratio:>12.2f}")
+            if name != "autoregressive":
+                key = name.replace(" ", "").replace(",", "_")
+                parts += [f"ratio_{key}{suffix}={ratio:.3f}", f"verify_{key}{suffix}={verify_ms / ar:.3f}"]
+    parts += [f"{key}={ms:.2f}" for key, ms in replays.items()]
     print("RESULT " + " ".join(parts))
 
 

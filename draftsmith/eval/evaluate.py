@@ -44,6 +44,8 @@ class DecodeOptions:
         compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
             included, compiles at its first call: minutes on a small CPU, in every process); the warm-up
             absorbs the compile, and the report gives its time.
+        graphs: on a GPU, replay each verification forward from a CUDA graph (KV cache of fixed capacity,
+            one graph per row count, recorded at its first use; runtime/graphs.py). Both arms use it.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -74,6 +76,7 @@ class DecodeOptions:
     lookup: int = 0
     head_vocab: int = 8192
     compile: bool = False
+    graphs: bool = False
     dtype: str = "bfloat16"
     device: str = "cpu"
     repeats: int = 3
@@ -99,6 +102,10 @@ class DecodeOptions:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         if self.mode != "exact" and self.tree is not None:
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
+        if self.graphs and not str(self.device).startswith("cuda"):
+            raise DraftsmithError(f"--graphs records CUDA graphs: it needs --device cuda, not {self.device!r}")
+        if self.graphs and self.compile:
+            raise DraftsmithError("--graphs and --compile are two ways to cut a step's launch overhead: choose one")
         if self.stop_threshold is not None and not 0 <= self.stop_threshold <= 1:
             raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
@@ -242,7 +249,12 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
+    if cfg.graphs:
+        from draftsmith.runtime.graphs import GraphRunner
+
+        runner = GraphRunner(target.model, proposer.aux_layer_ids)
+    else:
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
     tok = target.tokenizer
     eos = target.eos_token_ids
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit)

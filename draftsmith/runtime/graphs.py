@@ -1,0 +1,226 @@
+"""A target runner whose verification forwards replay CUDA graphs.
+
+At batch 1 on a GPU a decoding step is short (an 8B model's weights stream in ~4 ms) and made of
+hundreds of small kernels, about fifteen a layer; launched one by one from Python, the launches
+take longer than the GPU's work. A CUDA graph records a forward's kernels once and replays them
+with one launch. A graph fixes every shape and address, so here:
+
+- each layer's keys and values live in a zeroed slab of fixed capacity (`FixedLayer`), written at
+  the slots the runner puts in a device tensor; attention reads the whole slab under a mask that
+  hides the positions not in the sequence (stale rows after a rollback, unwritten ones);
+- each row count n (1 for a plain step, K + 1 for a chain, nodes + 1 for a tree) has its own graph,
+  captured at its first use; its inputs (token ids, positions, write slots, the mask) are buffers
+  the runner fills before a replay, and its outputs (logits, final and fused aux features) are
+  buffers copied out after. A chain and a tree of the same row count share one graph: the mask is
+  an input;
+- rollback moves a length and keeping a tree path copies a few rows per layer, as with the slab
+  cache of runtime/cache.py; only the prefill runs eagerly (its length differs per prompt).
+
+When a sequence outgrows the capacity the slabs are reallocated at twice the size and the graphs
+captured again. Where CUDA graphs are not available (a CPU) the runner runs the same fixed-shape
+forward eagerly; that is what the tests compare against the plain runner and against recomputation.
+
+Notation: n rows in a forward, C slab capacity, S cached positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from draftsmith import DraftsmithError
+from draftsmith.models.common import cache_kwargs
+from draftsmith.models.target import capture_hidden_states
+from draftsmith.runtime.generate import TargetRunner
+from draftsmith.runtime.tree import DraftTree, tree_attention_mask
+
+DEFAULT_CAPACITY = 1024
+ALIGN = 64  # capacities are multiples of this (attention kernels want aligned mask rows)
+
+
+class FixedLayer(DynamicLayer):
+    """One layer's keys and values in slabs (B, kv, C, hd) that never move while graphs hold them.
+    `update` writes the new rows at `owner.slots` (n,) and hands attention the whole slab; the
+    length is the runner's to set (a replay runs no Python)."""
+
+    def __init__(self, owner: "GraphRunner") -> None:
+        super().__init__()
+        self.owner, self.length = owner, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, heads, _, dim = key_states.shape
+        # zeros: a masked position still enters attention's products (0 · NaN would be NaN)
+        self.keys = key_states.new_zeros(b, heads, self.owner.capacity, dim)
+        self.values = value_states.new_zeros(b, heads, self.owner.capacity, value_states.shape[-1])
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.owner.slots, key_states)
+        self.values.index_copy_(2, self.owner.slots, value_states)
+        return self.keys, self.values
+
+    def grow(self, capacity: int) -> None:
+        if self.is_initialized:
+            keys, values = self.keys, self.values
+            self.keys = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
+            self.values = values.new_zeros(*values.shape[:2], capacity, values.shape[-1])
+            self.keys[:, :, : self.length] = keys[:, :, : self.length]
+            self.values[:, :, : self.length] = values[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions; a negative value removes that many."""
+        self.length = max(0, self.length + max_length if max_length < 0 else min(max_length, self.length))
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+@dataclass
+class Inputs:
+    """One row count's input buffers: ids (1, n), positions (1, n), slots (n,), mask (1, 1, n, C)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+class GraphRunner(TargetRunner):
+    """`TargetRunner` with fixed-capacity KV slabs and, on a GPU, every forward but the prefill
+    replayed from a CUDA graph per row count. Same interface and results as TargetRunner (up to
+    floating-point summation order). `capture`: record and replay graphs (default: on a GPU)."""
+
+    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, capacity: int = DEFAULT_CAPACITY,
+                 capture: bool | None = None, gqa: bool | None = None):
+        super().__init__(model, aux_layer_ids, gqa=gqa)
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise DraftsmithError(f"CUDA graphs need the target on a GPU; it is on {self.device}")
+        self.capacity = _aligned(capacity)
+        self.slots: torch.Tensor | None = None  # what FixedLayer.update writes at, set per forward
+        self.inputs: dict[int, Inputs] = {}
+        self.graphs: dict[int, tuple[Any, tuple]] = {}  # n → (torch.cuda.CUDAGraph, its output buffers)
+        self.pool = None  # the graphs' shared memory pool
+        self.cache = None
+
+    def reset(self) -> None:
+        """An empty sequence; the slabs (and so the graphs) are kept."""
+        if self.cache is None:
+            cache = DynamicCache(config=self.model.config)
+            if any(type(layer) is not DynamicLayer for layer in cache.layers) or not cache.layers:
+                raise DraftsmithError("CUDA graphs need a target whose layers all use full attention "
+                                      "(sliding-window or recurrent layers have no fixed-shape cache here)")
+            cache.layers = [FixedLayer(self) for _ in cache.layers]
+            cache.layer_class_to_replicate = None
+            self.cache = cache
+        for layer in self.cache.layers:
+            layer.reset()
+
+    def _reserve(self, length: int) -> None:
+        """Room for `length` positions: at twice the size (and graphs captured again) when outgrown."""
+        if length <= self.capacity:
+            return
+        self.capacity = _aligned(max(length, 2 * self.capacity))
+        for layer in self.cache.layers:
+            layer.grow(self.capacity)
+        self.inputs.clear()
+        self.graphs.clear()
+        self.pool = None
+
+    def _buffers(self, n: int, keep: bool) -> Inputs:
+        inputs = self.inputs.get(n)
+        if inputs is None:
+            device, long = self.device, torch.long
+            inputs = Inputs(torch.zeros(1, n, dtype=long, device=device), torch.zeros(1, n, dtype=long, device=device),
+                            torch.zeros(n, dtype=long, device=device),
+                            torch.zeros(1, 1, n, self.capacity, dtype=self._mask_dtype(), device=device))
+            if keep:
+                self.inputs[n] = inputs
+        return inputs
+
+    def _mask_dtype(self) -> torch.dtype:
+        return torch.bool if self.bool_masks else self.head.weight.dtype
+
+    def _allowed(self, start: int, n: int, tree: DraftTree | None) -> torch.Tensor:
+        """Which slab positions each of the n new rows attends to (n, C)."""
+        columns = torch.arange(self.capacity, device=self.device)
+        if tree is None:  # a chain: everything up to and including its own slot
+            return columns[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
+        allowed = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
+        allowed[:, : start + n] = tree_attention_mask(tree, start)[0, 0].to(self.device)
+        return allowed
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], tree: DraftTree | None = None,
+                last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """TargetRunner.forward on the fixed slabs; a replayed graph unless this is the prefill."""
+        n, start = len(tokens), self.cached()
+        self._reserve(start + n)
+        replay = self.capture and not last_logits
+        inputs = self._buffers(n, keep=replay)
+        depth = torch.arange(n, device=self.device)
+        if tree is not None:
+            depth[1:] = tree.depth.to(self.device)
+        inputs.ids[0].copy_(torch.tensor(tokens), non_blocking=True)
+        inputs.positions[0].copy_(start + depth)
+        inputs.slots.copy_(start + torch.arange(n, device=self.device))
+        allowed = self._allowed(start, n, tree)[None, None]
+        if self.bool_masks:
+            inputs.mask.copy_(allowed)
+        else:
+            inputs.mask.copy_(torch.zeros_like(inputs.mask).masked_fill(~allowed, torch.finfo(inputs.mask.dtype).min))
+        outputs = self._replay(n, inputs) if replay else self._run(inputs, last_logits)
+        for layer in self.cache.layers:
+            layer.length = start + n
+        logits, final, aux = outputs
+        if replay:  # the buffers are the graph's: the next replay overwrites them
+            logits, final = logits.clone(), final.clone()
+            aux = aux.clone() if aux is not None else None
+        return logits, final, aux
+
+    def _run(self, inputs: Inputs, last_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fixed-shape forward itself: what a graph records. No host sync, no shape that depends
+        on the sequence (the decoder takes the 4D mask as it is)."""
+        self.slots = inputs.slots
+        with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, self.attention, self.linears, \
+                self.head_linears:
+            out = self.decoder(input_ids=inputs.ids, attention_mask=inputs.mask, position_ids=inputs.positions,
+                               use_cache=True, output_hidden_states=captured.fallback,
+                               **cache_kwargs(self.decoder, self.cache))
+            final = out.last_hidden_state[0]
+            logits = self.head(final[-1:] if last_logits else final)
+        hidden = captured.collect(out)
+        aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
+        return logits, final, aux
+
+    def _replay(self, n: int, inputs: Inputs) -> tuple:
+        """Replay n rows' graph, recording it first (after one eager warm-up on a side stream, which
+        writes the same slab rows the replay does)."""
+        entry = self.graphs.get(n)
+        if entry is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._run(inputs, False)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self._run(inputs, False)
+            self.pool = graph.pool()
+            entry = self.graphs[n] = (graph, outputs)
+        entry[0].replay()
+        return entry[1]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

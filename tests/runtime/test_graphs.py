@@ -1,0 +1,113 @@
+"""The fixed-shape runner of runtime/graphs.py, as a CPU runs it (the same forward a GPU records
+into CUDA graphs, run eagerly): rollback and path keeping against recomputation, slab growth,
+the plain runner's tokens for chains, trees and lookup branches, and no host sync in the recorded
+forward (run on the meta device, where any read of a tensor's value fails)."""
+
+import copy
+
+import pytest
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.graphs import FixedLayer, GraphRunner
+from draftsmith.runtime.policies import CostAware, Static
+from draftsmith.runtime.proposers import FeatureProposer
+from draftsmith.runtime.tree import TreeShape
+from tests.runtime.conftest import V, assert_cache_is_recomputation, greedy_cases
+from tests.runtime.test_generate import proposers
+from tests.runtime.test_tree import hand_tree
+
+
+def test_fixed_slabs_roll_back_keep_paths_and_grow_as_recomputation(target):
+    runner = GraphRunner(target, capacity=8)  # small: it must grow on the way
+    runner.reset()
+    assert runner.capacity == 64 and all(isinstance(layer, FixedLayer) for layer in runner.cache.layers)
+    prompt, tree, path = [i % 50 for i in range(4, 64)], hand_tree([42, 7, 9, 11, 30, 2]), [0, 2, 5]
+    runner.forward(prompt[:-1], last_logits=True)
+    runner.forward([prompt[-1], 20, 21, 22])  # a chain of 3: the last two rejected
+    runner.rollback(2)
+    start = runner.cached()
+    runner.forward([24] + tree.tokens.tolist(), tree)  # 24: the round's pending token; 69 rows: grows to 128
+    assert runner.capacity == 128
+    runner.keep_path(start, path)
+    sequence = prompt + [20] + [24] + tree.tokens[path].tolist()
+    assert runner.cached() == len(sequence)
+    assert all(layer.keys.shape[2] == 128 for layer in runner.cache.layers)
+    assert_cache_is_recomputation(target, runner.cache.layers, sequence)
+    logits, final, _ = runner.forward([13, 14])
+    full = target(torch.tensor([sequence + [13, 14]]), output_hidden_states=True)
+    torch.testing.assert_close(logits, full.logits[0, -2:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, full.hidden_states[-1][0, -2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [None, TreeShape(3, 3, 8), TreeShape(3, 2, 6, lookup=4)])
+def test_fixed_runner_decodes_the_plain_runners_tokens(target, shape):
+    """Same tokens and acceptances as TargetRunner, over several prompts through one runner (a reset
+    keeps the slabs), with the EAGLE-3 drafter's fused aux features read from the fixed forward."""
+    proposer = proposers(target)["eagle3"]
+    fixed = GraphRunner(target, proposer.aux_layer_ids, capacity=16)
+    for prompt, expected in greedy_cases(target, new_tokens=30):
+        outputs = []
+        for runner in (fixed, TargetRunner(target, proposer.aux_layer_ids)):
+            out = generate(runner, proposer, prompt, 30, Static(3), tree=shape)
+            outputs.append((out.tokens, [r.accepted for r in out.rounds]))
+        assert outputs[0] == outputs[1]
+        assert outputs[0][0] == expected
+
+
+def test_fixed_runner_sizes_trees_by_cost(target):
+    """The cost policy times verification forwards of many row counts (one graph each on a GPU)."""
+    proposer = proposers(target)["eagle"]
+    for prompt, expected in greedy_cases(target, seeds=1, new_tokens=30):
+        out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, CostAware(4),
+                       tree=TreeShape(3, 3, 8, lookup=3))
+        assert out.tokens == expected
+
+
+def test_recorded_forward_reads_no_tensor_value(target):
+    """What a CUDA graph records must not synchronize with the host: on the meta device every such
+    read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees."""
+    meta = copy.deepcopy(target).to("meta")
+    runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
+    runner.reset()
+    runner.forward(list(range(10)), last_logits=True)
+    logits, final, aux = runner.forward([1, 2, 3])
+    assert logits.device.type == "meta" and logits.shape == (3, target.config.vocab_size)
+    assert aux.shape == (3, 3 * target.config.hidden_size)
+    tree = hand_tree([42, 7, 9, 11, 30, 2])
+    logits, _, _ = runner.forward([5] + tree.tokens.tolist(), tree)
+    assert logits.shape[0] == 7 and runner.cached() == 20
+
+
+def test_graph_runner_refuses_what_it_cannot_run(target):
+    with pytest.raises(DraftsmithError, match="GPU"):
+        GraphRunner(target, capture=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("shape", [None, TreeShape(3, 3, 8, lookup=4)])
+def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape):
+    """On a GPU: replayed graphs (one per row count, the slabs outgrown once on the way) give the
+    eager runner's tokens and acceptances."""
+    gpu, base = copy.deepcopy(target).cuda(), proposers(target)["eagle3"]
+    proposer = FeatureProposer(copy.deepcopy(base.drafter).cuda(), V, base.aux_layer_ids)
+    graphs = GraphRunner(gpu, proposer.aux_layer_ids, capacity=16)
+    assert graphs.capture and graphs.capacity == 64
+    for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
+        outputs = []
+        for runner in (graphs, TargetRunner(gpu, proposer.aux_layer_ids)):
+            out = generate(runner, proposer, prompt, 30, Static(3), tree=shape)
+            outputs.append((out.tokens, [r.accepted for r in out.rounds]))
+        assert outputs[0] == outputs[1] and outputs[0][0] == expected
+    assert graphs.graphs and graphs.capacity == 128
+
+
+def test_eval_graphs_setting_is_checked():
+    from draftsmith.eval.evaluate import EvalConfig
+
+    assert EvalConfig(target="", graphs=True, device="cuda").graphs
+    with pytest.raises(DraftsmithError, match="needs --device cuda"):
+        EvalConfig(target="", graphs=True)
+    with pytest.raises(DraftsmithError, match="choose one"):
+        EvalConfig(target="", graphs=True, compile=True, device="cuda")
