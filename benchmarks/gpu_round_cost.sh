@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("round_cost.py on a GPU") in one run, for a machine with
 # one NVIDIA GPU and PyTorch (no download: the target is a random-weight Llama-3.1-8B shape):
-#   1. the CUDA-graph tests (tests/runtime/test_graphs.py; on a CPU they skip);
+#   1. the CUDA-graph tests (tests/runtime/test_graphs.py; its GPU tests skip on a CPU);
 #   2. benchmarks/round_cost.py with that target and a fresh EAGLE-3 drafter of its shape
-#      (32000-token head), eager runtime, reference path and CUDA graphs side by side,
+#      (32000-token head): eager runtime, reference path, and target and drafter on CUDA graphs,
 #      at 400 and at 2000 cached tokens.
 # Logs go to $OUT (default /tmp/gpu-round-cost).
 set -u

@@ -27,8 +27,9 @@ transformers' module calls, tree bookkeeping).
 `--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
 torch.compile, inductor, weights frozen); the reference path stays eager.
 
-`--graphs` adds a third arm: `GraphRunner` (runtime/graphs.py), fixed-capacity KV slabs and, on a
-GPU, each verification forward replayed from a CUDA graph (keys `ar_ms_graphs`, `ratio_<shape>_graphs`).
+`--graphs` adds a third arm: `GraphRunner` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
+fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed from a CUDA graph (keys
+`ar_ms_graphs`, `ratio_<shape>_graphs`, and `ar_replay_ms_graphs`: the one-token graph's replay alone).
 
 On a GPU (`--device cuda`), with a random-weight target of a known shape (no download):
 
@@ -227,6 +228,7 @@ def main() -> None:
         fast = arm != "reference"
         proposer = FeatureProposer(drafter, target.vocab_size, layer_ids, fast=fast)
         if arm == "graphs":
+            proposer.enable_graphs()
             runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256)
         else:
             runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
@@ -277,7 +279,7 @@ def main() -> None:
             if not any(n.startswith(name.split()[0]) for n in profiled):
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
         if getattr(runner, "capture", False):  # the one-token graph's replay alone: the GPU's share of a step
-            replays["ar_replay_ms_graphs"] = median_ms(runner.graphs[1][0].replay, args.repeats)
+            replays["ar_replay_ms_graphs"] = median_ms(runner.recorded.graphs[1][0].replay, args.repeats)
         if args.profile:
             for name, fn in profiled.items():
                 parts = profile_ms(fn, max(3, args.repeats // 2))

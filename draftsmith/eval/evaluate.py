@@ -44,8 +44,9 @@ class DecodeOptions:
         compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
             included, compiles at its first call: minutes on a small CPU, in every process); the warm-up
             absorbs the compile, and the report gives its time.
-        graphs: on a GPU, replay each verification forward from a CUDA graph (KV cache of fixed capacity,
-            one graph per row count, recorded at its first use; runtime/graphs.py). Both arms use it.
+        graphs: on a GPU, replay each target forward and each feature drafter's forward from a CUDA graph
+            (KV caches of fixed capacity, one graph per row count, recorded at its first use;
+            runtime/graphs.py). Both arms use it.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -240,7 +241,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import TargetRunner, generate
     from draftsmith.runtime.policies import HEAD_POLICIES, Static
-    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
     console = console or Console(stderr=True)
@@ -253,6 +254,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         from draftsmith.runtime.graphs import GraphRunner
 
         runner = GraphRunner(target.model, proposer.aux_layer_ids)
+        if isinstance(proposer, FeatureProposer):
+            proposer.enable_graphs()
     else:
         runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
     tok = target.tokenizer

@@ -1,4 +1,4 @@
-"""A target runner whose verification forwards replay CUDA graphs.
+"""Target and drafter forwards replayed from CUDA graphs.
 
 At batch 1 on a GPU a decoding step is short (an 8B model's weights stream in ~4 ms) and made of
 hundreds of small kernels, about fifteen a layer; launched one by one from Python, the launches
@@ -16,9 +16,14 @@ with one launch. A graph fixes every shape and address, so here:
 - rollback moves a length and keeping a tree path copies a few rows per layer, as with the slab
   cache of runtime/cache.py; only the prefill runs eagerly (its length differs per prompt).
 
+The feature drafter's forwards get the same treatment (`DrafterGraphs`, which `FeatureProposer.
+enable_graphs` switches on): its KV buffer is a fixed slab too, and each row count it is fed (the
+accepted anchors, one drafted token, a tree level's expanded nodes) has its own graph; a prompt's
+anchors (more than `MAX_GRAPH_ROWS`) run eagerly on the same slab.
+
 When a sequence outgrows the capacity the slabs are reallocated at twice the size and the graphs
-captured again. Where CUDA graphs are not available (a CPU) the runner runs the same fixed-shape
-forward eagerly; that is what the tests compare against the plain runner and against recomputation.
+captured again. Where CUDA graphs are not available (a CPU) the same fixed-shape forwards run
+eagerly; that is what the tests compare against the plain runtime and against recomputation.
 
 Notation: n rows in a forward, C slab capacity, S cached positions.
 """
@@ -26,7 +31,7 @@ Notation: n rows in a forward, C slab capacity, S cached positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -40,14 +45,16 @@ from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
 DEFAULT_CAPACITY = 1024
 ALIGN = 64  # capacities are multiples of this (attention kernels want aligned mask rows)
+MAX_GRAPH_ROWS = 128  # a drafter fed more rows at once (a prompt's anchors) runs eagerly
 
 
 class FixedLayer(DynamicLayer):
     """One layer's keys and values in slabs (B, kv, C, hd) that never move while graphs hold them.
     `update` writes the new rows at `owner.slots` (n,) and hands attention the whole slab; the
-    length is the runner's to set (a replay runs no Python)."""
+    length is the owner's to set (a replay runs no Python). Also the drafters' KV-buffer interface
+    (`update`, `get_seq_length`, `crop(length)`)."""
 
-    def __init__(self, owner: "GraphRunner") -> None:
+    def __init__(self, owner: Any) -> None:
         super().__init__()
         self.owner, self.length = owner, 0
 
@@ -85,6 +92,42 @@ class FixedLayer(DynamicLayer):
         self.length = 0
 
 
+class Recorded:
+    """CUDA graphs by key (a row count), sharing one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.graphs, self.pool = device, {}, None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def replay(self, key: int, run: Callable[[], Any]) -> Any:
+        """Replay `key`'s graph and return its output buffers; the first time, record `run` (after one
+        eager warm-up on a side stream, which writes the same cache rows the replay does)."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = run()
+            self.pool = graph.pool()
+            entry = self.graphs[key] = (graph, outputs)
+        entry[0].replay()
+        return entry[1]
+
+
+def _check_capture(capture: bool | None, device: torch.device) -> bool:
+    capture = device.type == "cuda" if capture is None else capture
+    if capture and device.type != "cuda":
+        raise DraftsmithError(f"CUDA graphs need the model on a GPU; it is on {device}")
+    return capture
+
+
 @dataclass
 class Inputs:
     """One row count's input buffers: ids (1, n), positions (1, n), slots (n,), mask (1, 1, n, C)."""
@@ -103,14 +146,11 @@ class GraphRunner(TargetRunner):
     def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, capacity: int = DEFAULT_CAPACITY,
                  capture: bool | None = None, gqa: bool | None = None):
         super().__init__(model, aux_layer_ids, gqa=gqa)
-        self.capture = self.device.type == "cuda" if capture is None else capture
-        if self.capture and self.device.type != "cuda":
-            raise DraftsmithError(f"CUDA graphs need the target on a GPU; it is on {self.device}")
+        self.capture = _check_capture(capture, self.device)
         self.capacity = _aligned(capacity)
         self.slots: torch.Tensor | None = None  # what FixedLayer.update writes at, set per forward
         self.inputs: dict[int, Inputs] = {}
-        self.graphs: dict[int, tuple[Any, tuple]] = {}  # n → (torch.cuda.CUDAGraph, its output buffers)
-        self.pool = None  # the graphs' shared memory pool
+        self.recorded = Recorded(self.device)
         self.cache = None
 
     def reset(self) -> None:
@@ -134,8 +174,7 @@ class GraphRunner(TargetRunner):
         for layer in self.cache.layers:
             layer.grow(self.capacity)
         self.inputs.clear()
-        self.graphs.clear()
-        self.pool = None
+        self.recorded.clear()
 
     def _buffers(self, n: int, keep: bool) -> Inputs:
         inputs = self.inputs.get(n)
@@ -179,7 +218,7 @@ class GraphRunner(TargetRunner):
             inputs.mask.copy_(allowed)
         else:
             inputs.mask.copy_(torch.zeros_like(inputs.mask).masked_fill(~allowed, torch.finfo(inputs.mask.dtype).min))
-        outputs = self._replay(n, inputs) if replay else self._run(inputs, last_logits)
+        outputs = self.recorded.replay(n, lambda: self._run(inputs, False)) if replay else self._run(inputs, last_logits)
         for layer in self.cache.layers:
             layer.length = start + n
         logits, final, aux = outputs
@@ -203,23 +242,61 @@ class GraphRunner(TargetRunner):
         aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return logits, final, aux
 
-    def _replay(self, n: int, inputs: Inputs) -> tuple:
-        """Replay n rows' graph, recording it first (after one eager warm-up on a side stream, which
-        writes the same slab rows the replay does)."""
-        entry = self.graphs.get(n)
-        if entry is None:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._run(inputs, False)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self._run(inputs, False)
-            self.pool = graph.pool()
-            entry = self.graphs[n] = (graph, outputs)
-        entry[0].replay()
-        return entry[1]
+
+class DrafterGraphs:
+    """A feature drafter's forward, called as the drafter is (tokens, feature, positions, mask, cache),
+    over a fixed-capacity KV slab (`cache`, a FixedLayer) and, on a GPU, replayed from a CUDA graph
+    per row count. The mask it is given covers the cached positions and the new rows; it is padded
+    to the slab. `capture`: record graphs (default: on a GPU)."""
+
+    def __init__(self, drafter: Any, capacity: int = DEFAULT_CAPACITY, capture: bool | None = None):
+        self.drafter = drafter
+        self.device = drafter.lm_head.weight.device
+        self.capture = _check_capture(capture, self.device)
+        self.capacity = _aligned(capacity)
+        self.slots: torch.Tensor | None = None
+        self.cache = FixedLayer(self)
+        self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.recorded = Recorded(self.device)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """(1, m) tokens, (1, m, H) features, (1, m) positions, (1, 1, m, S + m) boolean mask → (1, m, H)."""
+        if cache is not None and cache is not self.cache:
+            raise DraftsmithError("DrafterGraphs runs the drafter on its own cache (`.cache`)")
+        m, start = tokens.shape[1], self.cache.length
+        if start + m > self.capacity:
+            self.capacity = _aligned(max(start + m, 2 * self.capacity))
+            self.cache.grow(self.capacity)
+            self.inputs.clear()
+            self.recorded.clear()
+        replay = self.capture and m <= MAX_GRAPH_ROWS
+        buffers = self.inputs.get(m)
+        if buffers is None:
+            buffers = (torch.zeros_like(tokens), torch.zeros_like(feature), torch.zeros_like(positions),
+                       torch.zeros(1, 1, m, self.capacity, dtype=torch.bool, device=self.device),
+                       torch.zeros(m, dtype=torch.long, device=self.device))
+            if replay:
+                self.inputs[m] = buffers
+        ids, features, where, full_mask, slots = buffers
+        ids.copy_(tokens)
+        features.copy_(feature)
+        where.copy_(positions)
+        full_mask.zero_()
+        full_mask[..., : mask.shape[-1]] = mask
+        slots.copy_(start + torch.arange(m, device=self.device))
+
+        def run() -> torch.Tensor:
+            self.slots = slots
+            return self.drafter(ids, features, where, full_mask, self.cache)
+
+        out = self.recorded.replay(m, run).clone() if replay else run()
+        self.cache.length = start + m
+        return out
 
 
 def _aligned(n: int) -> int:

@@ -160,10 +160,26 @@ class FeatureProposer:
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
         self.draftable = self.to_target  # target ids it can draft (None: any)
         self.gqa = drafter.fc.weight.device.type == "cpu"  # see grouped_query_sdpa
+        self.graphs = None  # DrafterGraphs once enable_graphs is called
+        self.forward = self.drafter  # what each drafter forward calls
+        self.reset()
+
+    def enable_graphs(self, capture: bool | None = None) -> None:
+        """Run the drafter's forwards on a fixed-capacity KV slab, replayed from CUDA graphs on a GPU
+        (runtime/graphs.py); on a CPU the same fixed-shape forwards run eagerly."""
+        from draftsmith.runtime.graphs import DrafterGraphs
+
+        self.graphs = DrafterGraphs(self.drafter, capture=capture)
+        self.forward = self.graphs
         self.reset()
 
     def reset(self) -> None:
-        self.cache, self.anchors, self.hidden, self.forwards = StaticKV() if self.fast else KVBuffer(), 0, None, 0
+        if self.graphs is not None:
+            self.graphs.reset()
+            cache = self.graphs.cache
+        else:
+            cache = StaticKV() if self.fast else KVBuffer()
+        self.cache, self.anchors, self.hidden, self.forwards = cache, 0, None, 0
 
     @torch.no_grad()
     @under_packed_linears
@@ -178,7 +194,7 @@ class FeatureProposer:
         mask[:, self.anchors:] = torch.ones(n, n, dtype=torch.bool, device=final.device).tril()
         tokens = torch.tensor([next_tokens], device=final.device)
         with grouped_query_sdpa(self.gqa and n > 1):
-            out = self.drafter(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
+            out = self.forward(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
         self.anchors += n
         self.hidden = out[:, -1:]
         self.forwards += 1
@@ -215,7 +231,7 @@ class FeatureProposer:
                 break
             mask = chain_mask(at - 1, prefix, d)[None, None]
             with grouped_query_sdpa(self.gqa and len(at) > 1):
-                hidden = self.drafter(tokens[None].to(out.device), hidden[None], (at - 1 + d)[None], mask, self.cache)[0]
+                hidden = self.forward(tokens[None].to(out.device), hidden[None], (at - 1 + d)[None], mask, self.cache)[0]
         self.reset()
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
@@ -241,7 +257,7 @@ class FeatureProposer:
                 position = torch.tensor([[self.anchors - 1 + len(tokens)]], device=hidden.device)
                 keys = self.cache.get_seq_length() + 1
                 mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=hidden.device)
-                hidden = self.drafter(torch.tensor([[x]], device=hidden.device), hidden, position, mask, self.cache)
+                hidden = self.forward(torch.tensor([[x]], device=hidden.device), hidden, position, mask, self.cache)
                 self.forwards += 1
         if not tokens:
             return _empty(self.vocab_size)
@@ -299,7 +315,7 @@ class FeatureProposer:
             parent_hidden = torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None]  # (1, m, H)
             positions = torch.full((1, m), self.anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
             with grouped_query_sdpa(self.gqa and m > 1):
-                out = self.drafter(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
+                out = self.forward(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
             self.forwards += 1
             expanded += nodes
             hidden_of.update({c: out[0, r] for r, c in enumerate(nodes)})

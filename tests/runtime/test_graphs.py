@@ -10,10 +10,10 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.graphs import FixedLayer, GraphRunner
+from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner
 from draftsmith.runtime.policies import CostAware, Static
 from draftsmith.runtime.proposers import FeatureProposer
-from draftsmith.runtime.tree import TreeShape
+from draftsmith.runtime.tree import DraftTree, TreeShape
 from tests.runtime.conftest import V, assert_cache_is_recomputation, greedy_cases
 from tests.runtime.test_generate import proposers
 from tests.runtime.test_tree import hand_tree
@@ -56,6 +56,44 @@ def test_fixed_runner_decodes_the_plain_runners_tokens(target, shape):
         assert outputs[0][0] == expected
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", [None, TreeShape(3, 2, 10), TreeShape(4, 2, 14, lookup=4)])
+def test_fixed_drafter_drafts_what_the_plain_drafter_does(target, kind, shape):
+    """A drafter on a fixed slab (its anchors, drafted steps and tree levels written at slots, attention
+    over the slab under a padded mask, the slab outgrown on the way) drafts the plain drafter's tokens
+    with the same distributions and scores. The trees keep every candidate, so the deepest levels (whose
+    nodes must not see their parents' siblings) are compared too."""
+    base = proposers(target)[kind]
+    fixed = FeatureProposer(base.drafter, V, base.aux_layer_ids)
+    fixed.enable_graphs(capture=False)
+    fixed.graphs.capacity = 64  # from 1024: the prompts below outgrow it
+    assert fixed.cache is fixed.graphs.cache and isinstance(fixed.cache, FixedLayer)
+    for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
+        outputs = []
+        for proposer in (fixed, FeatureProposer(base.drafter, V, base.aux_layer_ids)):
+            drafts = recording(proposer)
+            out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, Static(3), tree=shape)
+            outputs.append((out.tokens, drafts))
+        assert outputs[0][0] == outputs[1][0] == expected
+        assert [tokens for tokens, _ in outputs[0][1]] == [tokens for tokens, _ in outputs[1][1]]
+        for (_, mine), (_, plain) in zip(outputs[0][1], outputs[1][1]):
+            torch.testing.assert_close(mine, plain, atol=1e-5, rtol=1e-5)
+    assert fixed.graphs.capacity == 128
+
+
+def recording(proposer) -> list[tuple[list[int], torch.Tensor]]:
+    """Every draft the proposer makes, as it makes it: a chain's tokens and their raw distributions, or a
+    tree's nodes and their path scores."""
+    drafts = []
+    for name in ("propose", "propose_tree"):
+        def record(*args, real=getattr(proposer, name), **kwargs):
+            out = real(*args, **kwargs)
+            drafts.append((out.tokens.tolist(), out.scores) if isinstance(out, DraftTree) else (list(out[0]), out[2]))
+            return out
+        setattr(proposer, name, record)
+    return drafts
+
+
 def test_fixed_runner_sizes_trees_by_cost(target):
     """The cost policy times verification forwards of many row counts (one graph each on a GPU)."""
     proposer = proposers(target)["eagle"]
@@ -69,6 +107,15 @@ def test_recorded_forward_reads_no_tensor_value(target):
     """What a CUDA graph records must not synchronize with the host: on the meta device every such
     read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees."""
     meta = copy.deepcopy(target).to("meta")
+    for kind in ("eagle", "eagle3"):  # the drafters' forwards, as DrafterGraphs records them
+        base = proposers(target)[kind]
+        drafter = copy.deepcopy(base.drafter).to("meta")
+        graphs = DrafterGraphs(drafter, capacity=64, capture=False)
+        h = drafter.lm_head.in_features
+        tokens, positions = torch.zeros(1, 3, dtype=torch.long, device="meta"), torch.zeros(1, 3, dtype=torch.long, device="meta")
+        out = graphs(tokens, torch.zeros(1, 3, h, device="meta"), positions, torch.ones(1, 1, 3, 3, dtype=torch.bool, device="meta"))
+        out = graphs(tokens[:, :1], out[:, -1:], positions[:, :1], torch.ones(1, 1, 1, 4, dtype=torch.bool, device="meta"))
+        assert out.shape == (1, 1, h) and graphs.cache.length == 4
     runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)
@@ -91,16 +138,20 @@ def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape):
     """On a GPU: replayed graphs (one per row count, the slabs outgrown once on the way) give the
     eager runner's tokens and acceptances."""
     gpu, base = copy.deepcopy(target).cuda(), proposers(target)["eagle3"]
-    proposer = FeatureProposer(copy.deepcopy(base.drafter).cuda(), V, base.aux_layer_ids)
+    drafter = copy.deepcopy(base.drafter).cuda()
+    proposer, graphed = FeatureProposer(drafter, V, base.aux_layer_ids), FeatureProposer(drafter, V, base.aux_layer_ids)
+    graphed.enable_graphs()
+    graphed.graphs.capacity = 64
     graphs = GraphRunner(gpu, proposer.aux_layer_ids, capacity=16)
-    assert graphs.capture and graphs.capacity == 64
+    assert graphs.capture and graphs.capacity == 64 and graphed.graphs.capture
     for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
         outputs = []
-        for runner in (graphs, TargetRunner(gpu, proposer.aux_layer_ids)):
-            out = generate(runner, proposer, prompt, 30, Static(3), tree=shape)
+        for runner, drafting in ((graphs, proposer), (graphs, graphed), (TargetRunner(gpu, proposer.aux_layer_ids), proposer)):
+            out = generate(runner, drafting, prompt, 30, Static(3), tree=shape)
             outputs.append((out.tokens, [r.accepted for r in out.rounds]))
-        assert outputs[0] == outputs[1] and outputs[0][0] == expected
-    assert graphs.graphs and graphs.capacity == 128
+        assert outputs[0] == outputs[1] == outputs[2] and outputs[0][0] == expected
+    assert graphs.recorded.graphs and graphs.capacity == 128
+    assert graphed.graphs.recorded.graphs and graphed.graphs.capacity == 128
 
 
 def test_eval_graphs_setting_is_checked():
