@@ -121,6 +121,18 @@ class Recorded:
         return entry[1]
 
 
+def _reserve(owner: Any, length: int, layers: list[FixedLayer]) -> None:
+    """Room for `length` positions in `owner`'s slabs: when outgrown, twice the size (or `length`), and
+    the input buffers and graphs, which hold the old slabs' addresses and mask width, made again."""
+    if length <= owner.capacity:
+        return
+    owner.capacity = _aligned(max(length, 2 * owner.capacity))
+    for layer in layers:
+        layer.grow(owner.capacity)
+    owner.inputs.clear()
+    owner.recorded.clear()
+
+
 def _check_capture(capture: bool | None, device: torch.device) -> bool:
     capture = device.type == "cuda" if capture is None else capture
     if capture and device.type != "cuda":
@@ -166,16 +178,6 @@ class GraphRunner(TargetRunner):
         for layer in self.cache.layers:
             layer.reset()
 
-    def _reserve(self, length: int) -> None:
-        """Room for `length` positions: at twice the size (and graphs captured again) when outgrown."""
-        if length <= self.capacity:
-            return
-        self.capacity = _aligned(max(length, 2 * self.capacity))
-        for layer in self.cache.layers:
-            layer.grow(self.capacity)
-        self.inputs.clear()
-        self.recorded.clear()
-
     def _buffers(self, n: int, keep: bool) -> Inputs:
         inputs = self.inputs.get(n)
         if inputs is None:
@@ -204,13 +206,13 @@ class GraphRunner(TargetRunner):
                 last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """TargetRunner.forward on the fixed slabs; a replayed graph unless this is the prefill."""
         n, start = len(tokens), self.cached()
-        self._reserve(start + n)
+        _reserve(self, start + n, self.cache.layers)
         replay = self.capture and not last_logits
         inputs = self._buffers(n, keep=replay)
         depth = torch.arange(n, device=self.device)
         if tree is not None:
             depth[1:] = tree.depth.to(self.device)
-        inputs.ids[0].copy_(torch.tensor(tokens), non_blocking=True)
+        inputs.ids[0].copy_(torch.tensor(tokens))
         inputs.positions[0].copy_(start + depth)
         inputs.slots.copy_(start + torch.arange(n, device=self.device))
         allowed = self._allowed(start, n, tree)[None, None]
@@ -269,11 +271,7 @@ class DrafterGraphs:
         if cache is not None and cache is not self.cache:
             raise DraftsmithError("DrafterGraphs runs the drafter on its own cache (`.cache`)")
         m, start = tokens.shape[1], self.cache.length
-        if start + m > self.capacity:
-            self.capacity = _aligned(max(start + m, 2 * self.capacity))
-            self.cache.grow(self.capacity)
-            self.inputs.clear()
-            self.recorded.clear()
+        _reserve(self, start + m, [self.cache])
         replay = self.capture and m <= MAX_GRAPH_ROWS
         buffers = self.inputs.get(m)
         if buffers is None:
