@@ -4,7 +4,9 @@
 #   1. the CUDA-graph tests (tests/runtime/test_graphs.py; its GPU tests skip on a CPU);
 #   2. benchmarks/round_cost.py with that target and a fresh EAGLE-3 drafter of its shape
 #      (32000-token head): eager runtime, reference path, and target and drafter on CUDA graphs,
-#      at 400 and at 2000 cached tokens.
+#      at 400 and at 2000 cached tokens;
+#   3. the same with --profile for a one-token step, a chain of 3 and a 6,10,60 tree: where each
+#      arm's round goes, host and GPU kernels by kind.
 # Logs go to $OUT (default /tmp/gpu-round-cost).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
@@ -18,3 +20,5 @@ for context in 400 2000; do
     --graphs --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 --context "$context" 2>&1 \
     | tee "$out/round_cost_8b_ctx$context.txt"
 done
+timeout 300 python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 \
+  --graphs --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 | tee "$out/round_cost_8b_profile.txt"

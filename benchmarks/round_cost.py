@@ -24,6 +24,9 @@ the first chain and the first tree of each runtime: milliseconds per round in ma
 attention, KV-cache copies, other tensor ops, and what no tensor op accounts for (Python,
 transformers' module calls, tree bookkeeping).
 
+On a GPU the profile adds the kernels' time by kind (matrix products, attention, copies, other; kernels
+replayed from CUDA graphs included) and the GPU's busy time per round, against the round's wall time.
+
 `--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
 torch.compile, inductor, weights frozen); the reference path stays eager.
 
@@ -129,22 +132,43 @@ CATEGORIES = {  # ATen / oneDNN op name → part of a round
 }
 
 
+GPU_CATEGORIES = {  # substrings of CUDA kernel names → part of a round's GPU time
+    "gpu matmul": ("gemv", "gemm", "nvjet", "cutlass", "cublas"),
+    "gpu attention": ("fmha", "attention", "flash", "softmax"),
+    "gpu copies": ("copy", "index", "cat", "memcpy", "memset", "fill"),
+}
+
+
 def profile_ms(fn, repeats: int) -> dict[str, float]:
-    """Milliseconds per call of `fn` by category (self time of the ops), plus the wall time no op accounts for."""
+    """Milliseconds per call of `fn` by category (self time of the ops), plus the wall time no op accounts for.
+    On a GPU also its kernels' time by category (kernels replayed from CUDA graphs included) and in all."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
+        synchronize()
         wall = (time.perf_counter() - start) * 1e3 / repeats
     parts: dict[str, float] = defaultdict(float)
+    gpu: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            name = event.key.lower()
+            category = next((c for c, names in GPU_CATEGORIES.items() if any(n in name for n in names)), "gpu other")
+            gpu[category] += event.self_device_time_total / 1e3 / repeats
+            continue
         category = next((c for c, names in CATEGORIES.items() if event.key.startswith(names)), "other ops")
         parts[category] += event.self_cpu_time_total / 1e3 / repeats
     parts["python & framework"] = max(0.0, wall - sum(parts.values()))
     parts["wall"] = wall
+    if gpu:
+        parts.update(gpu)
+        parts["gpu busy"] = sum(gpu.values())
     return dict(parts)
 
 

@@ -307,10 +307,13 @@ class FeatureProposer:
                 if not expand(TreeLevel(depth - 1, scores, expanding, best_path)):
                     break
             m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
-            mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool, device=device)
+            # built on the host and sent in one copy (on a GPU a write per row is a launch and a copy each)
+            seen = [(r, col) for r, c in enumerate(nodes)
+                    for col in [slot[a] for a in ancestors[c]] + [self.anchors + len(expanded) + r]]
+            mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool)
             mask[..., : self.anchors] = True
-            for r, c in enumerate(nodes):
-                mask[0, 0, r, [slot[a] for a in ancestors[c]] + [self.anchors + len(expanded) + r]] = True
+            mask[0, 0, [r for r, _ in seen], [col for _, col in seen]] = True
+            mask = mask.to(device)
             tokens = torch.tensor([[candidates[c][0] for c in nodes]], device=device)
             parent_hidden = torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None]  # (1, m, H)
             positions = torch.full((1, m), self.anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
