@@ -118,8 +118,14 @@ class TargetRunner:
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
             mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
             extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
+        return self.decode(ids, last_logits, **extra)
+
+    def decode(self, ids: torch.Tensor, last_logits: bool = False,
+               **extra: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decoder and head over ids (1, n) on the cache (`extra`: the decoder's mask and positions),
+        with the aux layers read as it runs: logits, final features and fused aux, as `forward` returns."""
         with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, \
-                grouped_query_sdpa(self.gqa and len(tokens) > 1 and not self.fast), self.attention, self.head_linears, \
+                grouped_query_sdpa(self.gqa and ids.shape[1] > 1 and not self.fast), self.attention, self.head_linears, \
                 self.compiling():
             out = self.decoder_call(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                     output_hidden_states=captured.fallback, **extra)

@@ -38,8 +38,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import cache_kwargs
-from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.generate import TargetRunner
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
@@ -233,16 +231,7 @@ class GraphRunner(TargetRunner):
         """The fixed-shape forward itself: what a graph records. No host sync, no shape that depends
         on the sequence (the decoder takes the 4D mask as it is)."""
         self.slots = inputs.slots
-        with capture_hidden_states(self.decoder, self.aux_layer_ids) as captured, self.attention, self.linears, \
-                self.head_linears:
-            out = self.decoder(input_ids=inputs.ids, attention_mask=inputs.mask, position_ids=inputs.positions,
-                               use_cache=True, output_hidden_states=captured.fallback,
-                               **cache_kwargs(self.decoder, self.cache))
-            final = out.last_hidden_state[0]
-            logits = self.head(final[-1:] if last_logits else final)
-        hidden = captured.collect(out)
-        aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
-        return logits, final, aux
+        return self.decode(inputs.ids, last_logits, attention_mask=inputs.mask, position_ids=inputs.positions)
 
 
 class DrafterGraphs:

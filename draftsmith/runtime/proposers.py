@@ -161,8 +161,12 @@ class FeatureProposer:
         self.draftable = self.to_target  # target ids it can draft (None: any)
         self.gqa = drafter.fc.weight.device.type == "cpu"  # see grouped_query_sdpa
         self.graphs = None  # DrafterGraphs once enable_graphs is called
-        self.forward = self.drafter  # what each drafter forward calls
         self.reset()
+
+    @property
+    def forward(self) -> Callable[..., torch.Tensor]:
+        """What each drafter forward calls: the drafter, or its graphs once enabled."""
+        return self.drafter if self.graphs is None else self.graphs
 
     def enable_graphs(self, capture: bool | None = None) -> None:
         """Run the drafter's forwards on a fixed-capacity KV slab, replayed from CUDA graphs on a GPU
@@ -170,7 +174,6 @@ class FeatureProposer:
         from draftsmith.runtime.graphs import DrafterGraphs
 
         self.graphs = DrafterGraphs(self.drafter, capture=capture)
-        self.forward = self.graphs
         self.reset()
 
     def reset(self) -> None:
