@@ -5,6 +5,8 @@
 #   2. benchmarks/round_cost.py with that target and a fresh EAGLE-3 drafter of its shape
 #      (32000-token head): eager runtime, reference path, and target and drafter on CUDA graphs,
 #      at 400 and at 2000 cached tokens;
+#      with two more arms on CUDA graphs: without grouped query heads folded into rows (--unfolded)
+#      and with the target's norms and MLPs compiled (--compile-blocks);
 #   3. the same with --profile for a one-token step, a chain of 3 and a 6,10,60 tree: where each
 #      arm's round goes, host and GPU kernels by kind.
 # Logs go to $OUT (default /tmp/gpu-round-cost).
@@ -17,8 +19,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_graphs.py 2>&1 | tail -15 | tee "$out/pytest.txt"
 for context in 400 2000; do
   timeout 300 python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 \
-    --graphs --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 --context "$context" 2>&1 \
+    --graphs --unfolded --compile-blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 --context "$context" 2>&1 \
     | tee "$out/round_cost_8b_ctx$context.txt"
 done
 timeout 300 python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 \
-  --graphs --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 | tee "$out/round_cost_8b_profile.txt"
+  --graphs --unfolded --compile-blocks --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 | tee "$out/round_cost_8b_profile.txt"

@@ -33,6 +33,11 @@ torch.compile, inductor, weights frozen); the reference path stays eager.
 `--graphs` adds a third arm: `GraphRunner` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
 fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed from a CUDA graph (keys
 `ar_ms_graphs`, `ratio_<shape>_graphs`, and `ar_replay_ms_graphs`: the one-token graph's replay alone).
+The graphs arm folds the query heads that share a key/value head into the rows of one attention call
+(`GraphRunner`'s default); `--unfolded` adds the same without (`gqa=False`: transformers copies the keys
+and values per query head under the mask; `_unfolded` keys). `--compile-blocks` adds the graphs arm with
+the target's norms and MLPs compiled (`GraphRunner(compile=True)`, `_blocks` keys; their compilation is
+the arm's first calls, outside the timings).
 
 On a GPU (`--device cuda`), with a random-weight target of a known shape (no download):
 
@@ -199,6 +204,11 @@ def main() -> None:
                     help="time the runtime with its decoder compiled (torch.compile, inductor); the reference stays eager")
     ap.add_argument("--graphs", action="store_true",
                     help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
+    ap.add_argument("--unfolded", action="store_true",
+                    help="add the fixed-shape runner without its grouped query heads folded (GraphRunner(gqa=False))")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="add the fixed-shape runner with the target's norms and MLPs compiled (GraphRunner(compile=True))")
+    ap.add_argument("--arms", default=None, help="keep only these arms (comma-separated: runtime,reference,graphs,...)")
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct",
                     help=f"the embedded target, or random:<shape> with shape one of {sorted(RANDOM_TARGETS)}")
     ap.add_argument("--layers", type=int, default=None, help="a random target's decoder layers (default: the shape's)")
@@ -251,9 +261,11 @@ def main() -> None:
         """Rows (shape, verified tokens, draft ms, verify ms) of one runtime: runtime, graphs or reference."""
         fast = arm != "reference"
         proposer = FeatureProposer(drafter, target.vocab_size, layer_ids, fast=fast)
-        if arm == "graphs":
+        if arm in ("graphs", "unfolded", "blocks"):
             proposer.enable_graphs()
-            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256)
+            # the last arm compiles the model's blocks, which stay compiled
+            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256,
+                                 gqa=arm != "unfolded", compile=arm == "blocks")
         else:
             runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
         with torch.no_grad():
@@ -303,14 +315,17 @@ def main() -> None:
             if not any(n.startswith(name.split()[0]) for n in profiled):
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
         if getattr(runner, "capture", False):  # the one-token graph's replay alone: the GPU's share of a step
-            replays["ar_replay_ms_graphs"] = median_ms(runner.recorded.graphs[1][0].replay, args.repeats)
+            replays[f"ar_replay_ms_{arm}"] = median_ms(runner.recorded.graphs[1][0].replay, args.repeats)
         if args.profile:
             for name, fn in profiled.items():
                 parts = profile_ms(fn, max(3, args.repeats // 2))
                 print(f"profile {arm:<10}{name:<16}" + "  ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
         return rows
 
-    arms = ["runtime", "reference"] + (["graphs"] if args.graphs else [])
+    arms = ["runtime", "reference"] + (["graphs"] if args.graphs else []) + (["unfolded"] if args.unfolded else [])
+    arms += ["blocks"] if args.compile_blocks else []
+    if args.arms:
+        arms = [arm for arm in arms if arm in args.arms.split(",")]
     timed, seconds = {}, {}
     for arm in arms:
         start = time.perf_counter()

@@ -46,7 +46,8 @@ class DecodeOptions:
             absorbs the compile, and the report gives its time.
         graphs: on a GPU, replay each target forward and each feature drafter's forward from a CUDA graph
             (KV caches of fixed capacity, one graph per row count, recorded at its first use;
-            runtime/graphs.py). Both arms use it.
+            runtime/graphs.py). Both arms use it. With --compile, the target's norms and MLPs are
+            compiled (inductor) and their fused kernels recorded into the graphs.
         dtype: target and drafter dtype (the same for both arms).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
@@ -105,8 +106,6 @@ class DecodeOptions:
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
         if self.graphs and not str(self.device).startswith("cuda"):
             raise DraftsmithError(f"--graphs records CUDA graphs: it needs --device cuda, not {self.device!r}")
-        if self.graphs and self.compile:
-            raise DraftsmithError("--graphs and --compile are two ways to cut a step's launch overhead: choose one")
         if self.stop_threshold is not None and not 0 <= self.stop_threshold <= 1:
             raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
@@ -253,7 +252,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     if cfg.graphs:
         from draftsmith.runtime.graphs import GraphRunner
 
-        runner = GraphRunner(target.model, proposer.aux_layer_ids)
+        runner = GraphRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
         if isinstance(proposer, FeatureProposer):
             proposer.enable_graphs()
     else:

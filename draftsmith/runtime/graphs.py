@@ -151,11 +151,17 @@ class Inputs:
 class GraphRunner(TargetRunner):
     """`TargetRunner` with fixed-capacity KV slabs and, on a GPU, every forward but the prefill
     replayed from a CUDA graph per row count. Same interface and results as TargetRunner (up to
-    floating-point summation order). `capture`: record and replay graphs (default: on a GPU)."""
+    floating-point summation order). `capture`: record and replay graphs (default: on a GPU).
+    `gqa`: the query heads that share a key/value head folded into the rows of one attention call
+    (runtime/kernels.py), which on a GPU spares transformers' copy of the whole slab per query head
+    under a mask. `compile`: the model's norms and MLPs compiled (`compile_blocks`) and recorded
+    into the graphs as fused kernels; they compile at the first calls."""
 
     def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, capacity: int = DEFAULT_CAPACITY,
-                 capture: bool | None = None, gqa: bool | None = None):
+                 capture: bool | None = None, gqa: bool = True, compile: bool = False):
         super().__init__(model, aux_layer_ids, gqa=gqa)
+        if compile:
+            compile_blocks(self.decoder)
         self.capture = _check_capture(capture, self.device)
         self.capacity = _aligned(capacity)
         self.slots: torch.Tensor | None = None  # what FixedLayer.update writes at, set per forward
@@ -284,6 +290,32 @@ class DrafterGraphs:
         out = self.recorded.replay(m, run).clone() if replay else run()
         self.cache.length = start + m
         return out
+
+
+def compile_blocks(decoder: Any, enabled: bool = True) -> list[torch.nn.Module]:
+    """Compile (torch.compile, inductor, in place) the stateless blocks of each decoder layer: its
+    children other than the attention (the norms and the MLP), which eagerly are a dozen small
+    kernels each (an RMSNorm alone is six). The attention and its cache stay eager (its layer index
+    would recompile it per layer). Identical blocks share one compiled graph per shape (their
+    weights are inputs): a prefill, one row, then any row count. `enabled=False` undoes it.
+    Returns the blocks."""
+    blocks = [child for layer in _decoder_layers(decoder) for child in layer.children()
+              if not any(hasattr(m, "layer_idx") for m in child.modules())]
+    final = getattr(decoder, "norm", None)
+    blocks += [final] if isinstance(final, torch.nn.Module) else []
+    for block in blocks:
+        if enabled:
+            block.compile()
+        else:
+            block._compiled_call_impl = None
+    return blocks
+
+
+def _decoder_layers(decoder: Any) -> list[torch.nn.Module]:
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise DraftsmithError(f"{type(decoder).__name__} has no `layers` list: its blocks cannot be compiled")
+    return list(layers)
 
 
 def _aligned(n: int) -> int:

@@ -149,7 +149,9 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if attention_mask is None:
         foldable = rows == 1 and query.dtype != torch.float32  # one fp32 row: torch's own kernel runs it well
     else:
-        foldable = attention_mask.shape[1] == 1 and rows <= FOLD_MAX_ROWS  # one mask for every head
+        # one mask for every head; on a GPU folding also spares the copy of K/V per query head that
+        # transformers makes under a mask (torch's masked grouped-query mode leaves the fused kernels there)
+        foldable = attention_mask.shape[1] == 1 and (rows <= FOLD_MAX_ROWS or query.is_cuda)
     if groups > 1 and plain and not foldable and attention_mask is not None:
         # torch's grouped-query mode under the mask, called directly: transformers reaches it only through an
         # environment switch (grouped_query_sdpa), which torch.compile cannot trace (a tree forward broke into

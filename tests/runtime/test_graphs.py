@@ -10,7 +10,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner
+from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner, compile_blocks
 from draftsmith.runtime.policies import CostAware, Static
 from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.tree import DraftTree, TreeShape
@@ -134,15 +134,19 @@ def test_graph_runner_refuses_what_it_cannot_run(target):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("shape", [None, TreeShape(3, 3, 8, lookup=4)])
-def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape, fused):
     """On a GPU: replayed graphs (one per row count, the slabs outgrown once on the way) give the
-    eager runner's tokens and acceptances."""
+    eager runner's tokens and acceptances; `fused`: with the query heads folded into rows and the
+    target's norms and MLPs compiled, recorded into the graphs."""
     gpu, base = copy.deepcopy(target).cuda(), proposers(target)["eagle3"]
     drafter = copy.deepcopy(base.drafter).cuda()
     proposer, graphed = FeatureProposer(drafter, V, base.aux_layer_ids), FeatureProposer(drafter, V, base.aux_layer_ids)
     graphed.enable_graphs()
     graphed.graphs.capacity = 64
-    graphs = GraphRunner(gpu, proposer.aux_layer_ids, capacity=16)
+    graphs = GraphRunner(gpu, proposer.aux_layer_ids, capacity=16, gqa=fused, compile=fused)
+    if fused:
+        assert gpu.get_decoder().layers[0].mlp._compiled_call_impl is not None
     assert graphs.capture and graphs.capacity == 64 and graphed.graphs.capture
     for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
         outputs = []
@@ -160,5 +164,17 @@ def test_eval_graphs_setting_is_checked():
     assert EvalConfig(target="", graphs=True, device="cuda").graphs
     with pytest.raises(DraftsmithError, match="needs --device cuda"):
         EvalConfig(target="", graphs=True)
-    with pytest.raises(DraftsmithError, match="choose one"):
-        EvalConfig(target="", graphs=True, compile=True, device="cuda")
+    assert EvalConfig(target="", graphs=True, compile=True, device="cuda").compile  # compiled blocks in the graphs
+
+
+def test_compile_blocks_picks_the_stateless_blocks(target):
+    """Each layer's norms and MLP and the final norm are compiled; the attention is not; undone on request."""
+    model = copy.deepcopy(target)
+    decoder = model.get_decoder()
+    blocks = compile_blocks(decoder)
+    layer = decoder.layers[0]
+    assert {id(b) for b in blocks} >= {id(layer.input_layernorm), id(layer.post_attention_layernorm), id(layer.mlp),
+                                        id(decoder.norm)}
+    assert all(b._compiled_call_impl is not None for b in blocks) and layer.self_attn._compiled_call_impl is None
+    compile_blocks(decoder, enabled=False)
+    assert all(b._compiled_call_impl is None for b in blocks)
