@@ -10,6 +10,7 @@ Notation: K drafted tokens, V target vocab, H hidden, n newly committed anchors.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -19,7 +20,7 @@ from draftsmith.runtime.cache import StaticKV, decoding_cache
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.policies import DraftStep, Policy, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
-from draftsmith.runtime.tree import DraftTree, TreeShape, build_tree
+from draftsmith.runtime.tree import DraftTree, TreeShape, select_tree
 
 Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
 
@@ -272,61 +273,119 @@ class FeatureProposer:
         """An EAGLE-2 dynamic tree: expand the `topk` best frontier nodes per level in one drafter
         forward each; every expanded node's keys go to the buffer after the real anchors and are
         seen only by its descendants. `observe` crops them away next round. `expand`, asked before
-        each level after the first, may stop the tree short of `shape.depth`."""
-        device = self.hidden.device
-        candidates: list[tuple[int, int, float, int]] = []  # (token, parent candidate, score, depth)
-        ancestors: dict[int, tuple[int, ...]] = {}  # strict ancestors of each candidate
-        hidden_of = {-1: self.hidden[0, 0]}  # the drafter's output that predicts a node's children
-        logp_of: dict[int, torch.Tensor] = {}  # ... and the log-distribution it gave them (V or Vd,)
-        q_of: dict[int, torch.Tensor] = {}  # its distribution, computed when a policy reads it
+        each level after the first, may stop the tree short of `shape.depth`.
 
-        def add_children(hidden: torch.Tensor, parents: list[int], depth: int) -> list[int]:
-            logp = torch.log_softmax(self.drafter.logits(hidden)[0].float(), dim=-1)  # (m, V or Vd)
-            logp_of.update(zip(parents, logp))
-            top = logp.topk(min(shape.topk, logp.shape[-1]), dim=-1)
-            ids = top.indices if self.to_target is None else self.to_target[top.indices]
-            new = []
-            for parent, row_ids, row_logp in zip(parents, ids.tolist(), top.values.tolist()):
-                base = candidates[parent][2] if parent >= 0 else 0.0
-                for token, lp in zip(row_ids, row_logp):
-                    new.append(len(candidates))
-                    candidates.append((token, parent, base + lp, depth))
-                    ancestors[new[-1]] = ancestors[parent] + (parent,) if parent >= 0 else ()
-            return new
-
-        def step(node: int) -> DraftStep:  # what a chain policy sees after drafting `node`
-            token, parent, _, depth = candidates[node]
-            if parent not in q_of:
-                q_of[parent] = logp_of[parent].exp()
-            return DraftStep(depth, token, q_of[parent], hidden_of[parent])
-
-        frontier = add_children(self.hidden, [-1], 1)
-        expanded: list[int] = []  # candidate behind each speculative buffer entry, in order
+        The tree is built on the drafter's device: candidates, scores and which expanded nodes are
+        each candidate's ancestors are tensors, so no level waits for the host (on a GPU a round's
+        levels queue up behind each other); only `expand` reads values."""
+        device, anchors = self.hidden.device, self.anchors
+        levels = _TreeLevels(self.hidden[0], (shape.depth - 1) * shape.topk)
+        frontier = levels.add_children(self._tree_logp(self.hidden[0]), shape.topk, None, self.to_target)
         for depth in range(2, shape.depth + 1):
-            nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
-            if expand is not None:
-                best_path = [step(c) for c in ancestors[nodes[0]] + (nodes[0],)]
-                scores, expanding = [c[2] for c in candidates], [candidates[c][2] for c in nodes]
-                if not expand(TreeLevel(depth - 1, scores, expanding, best_path)):
-                    break
-            m, slot = len(nodes), {c: self.anchors + i for i, c in enumerate(expanded)}
-            # built on the host and sent in one copy (on a GPU a write per row is a launch and a copy each)
-            seen = [(r, col) for r, c in enumerate(nodes)
-                    for col in [slot[a] for a in ancestors[c]] + [self.anchors + len(expanded) + r]]
-            mask = torch.zeros(1, 1, m, self.anchors + len(expanded) + m, dtype=torch.bool)
-            mask[..., : self.anchors] = True
-            mask[0, 0, [r for r, _ in seen], [col for _, col in seen]] = True
-            mask = mask.to(device)
-            tokens = torch.tensor([[candidates[c][0] for c in nodes]], device=device)
-            parent_hidden = torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None]  # (1, m, H)
-            positions = torch.full((1, m), self.anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
+            order = torch.sort(frontier.scores, descending=True, stable=True).indices[: shape.topk]
+            if expand is not None and not expand(levels.level(depth - 1, frontier, order)):
+                break
+            m, e = order.shape[0], levels.expanded
+            seen = frontier.ancestors[order]  # (m, E_max): the expanded nodes each new row sees
+            mask = torch.cat([torch.ones(m, anchors, dtype=torch.bool, device=device), seen[:, :e],
+                              torch.eye(m, dtype=torch.bool, device=device)], 1)[None, None]
+            tokens = frontier.tokens[order][None]
+            parent_hidden = frontier.states[frontier.rows[order]][None]  # (1, m, H)
+            positions = torch.full((1, m), anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
             with grouped_query_sdpa(self.gqa and m > 1):
-                out = self.forward(tokens, parent_hidden, positions, mask, self.cache)  # (1, m, H)
+                out = self.forward(tokens, parent_hidden, positions, mask, self.cache)[0]  # (m, H)
             self.forwards += 1
-            expanded += nodes
-            hidden_of.update({c: out[0, r] for r, c in enumerate(nodes)})
-            frontier = add_children(out, nodes, depth)
-        return build_tree(candidates, shape.total_tokens, device)
+            seen[torch.arange(m, device=device), e + torch.arange(m, device=device)] = True
+            levels.expand(order, out)
+            frontier = levels.add_children(self._tree_logp(out), shape.topk, (frontier, order, seen), self.to_target)
+        return levels.tree(shape.total_tokens)
+
+    def _tree_logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(m, H) drafter states → the log-distributions (m, V or Vd) they give the next tokens."""
+        return torch.log_softmax(self.drafter.logits(hidden[None])[0].float(), dim=-1)
+
+
+@dataclass
+class _Frontier:
+    """A tree level's F candidates: tokens (F,) target ids, scores (F,) cumulative log-probabilities,
+    `rows` (F,) of `states` (m, H), the drafter outputs that predicted them, `ancestors` (F, E_max) which
+    expanded nodes are their ancestors, and `first` the candidate index of the first of them."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    states: torch.Tensor
+    rows: torch.Tensor
+    ancestors: torch.Tensor
+    first: int
+
+
+class _TreeLevels:
+    """A tree's candidates level by level, as device tensors, with what `expand` policies read."""
+
+    def __init__(self, root_state: torch.Tensor, max_expanded: int):
+        self.root_state, self.max_expanded = root_state, max_expanded  # (1, H): predicts the root's children
+        self.tokens, self.parents, self.scores, self.depths = [], [], [], []  # per level, global candidate order
+        self.count, self.expanded = 0, 0
+        # each level's predicting states and log-distributions (row i of level d: its i-th expanded node)
+        self.states, self.logps = [root_state], []
+
+    def add_children(self, logp: torch.Tensor, topk: int, parent: tuple | None,
+                     to_target: torch.Tensor | None) -> _Frontier:
+        """The `topk` best children of each state behind `logp` (m, V): the next frontier. `parent`:
+        (frontier, order, seen) of the nodes just expanded, None for the root."""
+        self.logps.append(logp)
+        top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        m, k, device = logp.shape[0], top.indices.shape[1], logp.device
+        tokens = (top.indices if to_target is None else to_target[top.indices]).reshape(-1)
+        rows = torch.arange(m, device=device).repeat_interleave(k)
+        values = top.values.clamp(max=0)  # a log-probability: rounding must not lift a child above its parent
+        if parent is None:
+            scores, parents = values.reshape(-1), torch.full((m * k,), -1, dtype=torch.long, device=device)
+            ancestors = torch.zeros(m * k, self.max_expanded, dtype=torch.bool, device=device)
+            states = self.root_state
+        else:
+            frontier, order, seen = parent
+            scores = (frontier.scores[order][:, None] + values).reshape(-1)
+            parents = (frontier.first + order).repeat_interleave(k)
+            ancestors, states = seen.repeat_interleave(k, 0), self.states[-1]
+        depth = len(self.tokens) + 1
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.scores.append(scores)
+        self.depths.append(torch.full((m * k,), depth, dtype=torch.long, device=device))
+        first, self.count = self.count, self.count + m * k
+        return _Frontier(tokens, scores, states, rows, ancestors, first)
+
+    def expand(self, order: torch.Tensor, out: torch.Tensor) -> None:
+        """The frontier's nodes `order` were fed to the drafter, which gave `out` (m, H)."""
+        self.states.append(out)
+        self.expanded += order.shape[0]
+
+    def level(self, levels: int, frontier: _Frontier, order: torch.Tensor) -> TreeLevel:
+        """What an `expand` policy sees before the next level (this reads values on the host)."""
+        scores = torch.cat(self.scores).tolist()
+        expanding = frontier.scores[order].tolist()
+        parents = torch.cat(self.parents).tolist()
+        tokens = torch.cat(self.tokens).tolist()
+        path, node = [], frontier.first + int(order[0])
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        steps = []
+        for level, c in enumerate(reversed(path)):  # c was drafted at depth level + 1 by a state of `level`
+            row = self._predictor_row(c, level)
+            steps.append(DraftStep(level + 1, tokens[c], self.logps[level][row].exp(), self.states[level][row]))
+        return TreeLevel(levels, scores, expanding, steps)
+
+    def _predictor_row(self, candidate: int, level: int) -> int:
+        """The row, among level `level`'s predicting states, of the state that predicted `candidate`."""
+        k = self.tokens[level].shape[0] // self.logps[level].shape[0]
+        first = sum(t.shape[0] for t in self.tokens[:level])
+        return (candidate - first) // k
+
+    def tree(self, total_tokens: int) -> DraftTree:
+        return select_tree(torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores),
+                           torch.cat(self.depths), total_tokens)
 
 
 class ModelProposer:

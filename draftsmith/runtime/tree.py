@@ -126,23 +126,34 @@ def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None 
 
 def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int, device: torch.device) -> DraftTree:
     """Rerank drafted candidates (token, parent candidate index or -1, score, depth) and keep the
-    `total_tokens` best, as a breadth-first DraftTree. Ties go to the shallower node, so the kept
-    set is ancestor-closed (a child's score never exceeds its parent's)."""
-    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i][2], candidates[i][3], i))
-    kept = set(order[:total_tokens])
-    for i in list(kept):  # closure, for scores equal to the last bit
-        parent = candidates[i][1]
-        while parent >= 0 and parent not in kept:
-            kept.add(parent)
-            parent = candidates[parent][1]
-    nodes = sorted(kept, key=lambda i: (candidates[i][3], -candidates[i][2], i))
-    index = {c: k for k, c in enumerate(nodes)}
-    tokens = [candidates[c][0] for c in nodes]
-    parents = [index[candidates[c][1]] if candidates[c][1] >= 0 else -1 for c in nodes]
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                     parents=torch.tensor(parents, dtype=torch.long, device=device),
-                     depth=torch.tensor([candidates[c][3] for c in nodes], dtype=torch.long, device=device),
-                     scores=torch.tensor([candidates[c][2] for c in nodes], dtype=torch.float32, device=device))
+    `total_tokens` best, as a breadth-first DraftTree (`select_tree`)."""
+    tokens, parents, scores, depth = zip(*candidates) if candidates else ((), (), (), ())
+    long = dict(dtype=torch.long, device=device)
+    return select_tree(torch.tensor(tokens, **long), torch.tensor(parents, **long),
+                       torch.tensor(scores, dtype=torch.float64, device=device), torch.tensor(depth, **long),
+                       total_tokens)
+
+
+def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor,
+                total_tokens: int) -> DraftTree:
+    """The `total_tokens` best of N candidates (tokens, parent candidate index or -1, score, depth;
+    each (N,)) as a breadth-first DraftTree: by depth, then score, then candidate order. The best
+    are by score, ties to the shallower, then to the earlier. That set is closed under ancestors,
+    as a child's score is its parent's plus a log-probability (≤ 0), so never above it, and a tie
+    goes to the parent. All on the candidates' device, without reading a value on the host."""
+    n = tokens.shape[0]
+
+    def by(keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # a stable sort of `order` by keys[order]
+        return order[torch.sort(keys[order], stable=True).indices]
+
+    order = torch.arange(n, device=tokens.device)
+    kept = by(-scores, by(depth, order))[:total_tokens]  # best first: score, depth, index
+    nodes = by(depth, by(-scores, kept.sort().values))  # breadth-first: depth, score, index
+    position = torch.full((n,), -1, dtype=torch.long, device=tokens.device)
+    position[nodes] = torch.arange(nodes.shape[0], device=tokens.device)
+    parent = parents[nodes]
+    return DraftTree(tokens=tokens[nodes], parents=torch.where(parent >= 0, position[parent.clamp(min=0)], -1),
+                     depth=depth[nodes], scores=scores[nodes].float())
 
 
 def prune(tree: DraftTree, n: int) -> DraftTree:
@@ -150,8 +161,7 @@ def prune(tree: DraftTree, n: int) -> DraftTree:
     breadth-first as `build_tree` orders them; the tree itself when it has no more than n."""
     if n >= len(tree):
         return tree
-    candidates = list(zip(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(), tree.depth.tolist()))
-    return build_tree(candidates, n, tree.tokens.device)
+    return select_tree(tree.tokens, tree.parents, tree.scores, tree.depth, n)
 
 
 def lookup_continuation(sequence: list[int], max_tokens: int, min_match: int = 2, max_match: int = 4) -> list[int]:

@@ -215,6 +215,8 @@ def test_a_compiled_tree_forward_is_one_graph(target):
     eager = TargetRunner(target, proposer.aux_layer_ids)
     tree = DraftTree(tokens=torch.tensor([3, 7, 9] + list(range(10, 20))), parents=torch.tensor([-1, -1, 0] + list(range(2, 12))),
                      depth=torch.tensor([1, 1, 2] + list(range(3, 13))), scores=torch.zeros(13))
+    compiled.reset()
+    compiled.forward([4])  # a process's first trace breaks once in transformers' output capturing (a lock)
     breaks = sum(counters["graph_break"].values())
     outputs = []
     for runner in (compiled, eager):

@@ -105,7 +105,8 @@ def test_fixed_runner_sizes_trees_by_cost(target):
 
 def test_recorded_forward_reads_no_tensor_value(target):
     """What a CUDA graph records must not synchronize with the host: on the meta device every such
-    read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees."""
+    read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees, and the
+    drafting of a tree."""
     meta = copy.deepcopy(target).to("meta")
     for kind in ("eagle", "eagle3"):  # the drafters' forwards, as DrafterGraphs records them
         base = proposers(target)[kind]
@@ -116,6 +117,14 @@ def test_recorded_forward_reads_no_tensor_value(target):
         out = graphs(tokens, torch.zeros(1, 3, h, device="meta"), positions, torch.ones(1, 1, 3, 3, dtype=torch.bool, device="meta"))
         out = graphs(tokens[:, :1], out[:, -1:], positions[:, :1], torch.ones(1, 1, 1, 4, dtype=torch.bool, device="meta"))
         assert out.shape == (1, 1, h) and graphs.cache.length == 4
+        # and a whole EAGLE-2 tree: candidates, scores, level masks and the reranking are built as tensors
+        proposer = FeatureProposer(drafter, V, base.aux_layer_ids)
+        proposer.enable_graphs(capture=False)
+        width = target.config.hidden_size * max(1, len(base.aux_layer_ids))
+        proposer.observe(list(range(6)), torch.zeros(6, target.config.hidden_size, device="meta"),
+                         torch.zeros(6, width, device="meta") if base.aux_layer_ids else None)
+        tree = proposer.propose_tree(TreeShape(4, 3, 10))
+        assert tree.tokens.device.type == "meta" and tree.tokens.shape == tree.parents.shape == (10,)
     runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)

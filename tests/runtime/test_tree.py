@@ -111,6 +111,89 @@ def test_reranking_keeps_the_best_ancestor_closed_nodes():
     assert build_tree(tied, 2, torch.device("cpu")).tokens.tolist() == [5, 6]
 
 
+def host_tree(proposer, shape, expand):
+    """EAGLE-2's tree drafted the plain way, every choice on the host (Python lists, a mask per level),
+    with the drafter's state as `propose_tree` finds it: the oracle for the tensor-built tree."""
+    candidates, ancestors, hidden_of, logp_of = [], {}, {-1: proposer.hidden[0, 0]}, {}
+
+    def add_children(hidden, parents, depth):
+        logp = torch.log_softmax(proposer.drafter.logits(hidden)[0].float(), dim=-1)
+        logp_of.update(zip(parents, logp))
+        top = logp.topk(min(shape.topk, logp.shape[-1]), dim=-1)
+        ids = top.indices if proposer.to_target is None else proposer.to_target[top.indices]
+        new = []
+        for parent, row_ids, row_logp in zip(parents, ids.tolist(), top.values.tolist()):
+            for token, lp in zip(row_ids, row_logp):
+                new.append(len(candidates))
+                candidates.append((token, parent, (candidates[parent][2] if parent >= 0 else 0.0) + lp, depth))
+                ancestors[new[-1]] = ancestors[parent] + (parent,) if parent >= 0 else ()
+        return new
+
+    frontier, expanded = add_children(proposer.hidden, [-1], 1), []
+    for depth in range(2, shape.depth + 1):
+        nodes = sorted(frontier, key=lambda c: -candidates[c][2])[: shape.topk]
+        path = [(candidates[c][3], candidates[c][0], logp_of[candidates[c][1]].exp(), hidden_of[candidates[c][1]])
+                for c in ancestors[nodes[0]] + (nodes[0],)]
+        if not expand([c[2] for c in candidates], [candidates[c][2] for c in nodes], path):
+            break
+        a, m = proposer.anchors, len(nodes)
+        mask = torch.zeros(1, 1, m, a + len(expanded) + m, dtype=torch.bool)
+        mask[..., :a] = True
+        for r, c in enumerate(nodes):
+            for e, d in enumerate(expanded):
+                mask[0, 0, r, a + e] = d in ancestors[c]
+            mask[0, 0, r, a + len(expanded) + r] = True
+        out = proposer.drafter(torch.tensor([[candidates[c][0] for c in nodes]]),
+                               torch.stack([hidden_of[candidates[c][1]] for c in nodes])[None],
+                               torch.full((1, m), a - 2 + depth), mask, proposer.cache)
+        expanded += nodes
+        hidden_of.update({c: out[0, r] for r, c in enumerate(nodes)})
+        frontier = add_children(out, nodes, depth)
+    return build_tree(candidates, shape.total_tokens, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", [TreeShape(1, 3, 3), TreeShape(4, 3, 20), TreeShape(5, 4, 200)])
+def test_the_tree_built_with_tensors_is_the_host_built_tree(target, kind, shape):
+    """propose_tree (candidates, scores and ancestors as tensors, no value read per level) drafts the tree the
+    plain host algorithm drafts, and shows an `expand` policy the same levels: scores, the nodes it would
+    expand, and the best node's path with the distributions and states that drew it. Levels stop early too."""
+    proposer = feature_proposers(target)[kind]
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    for prompt, _ in greedy_cases(target, seeds=2):
+        for stop_at in (shape.depth, 2):
+            runner.reset()
+            _, final, aux = runner.forward(prompt, last_logits=True)
+            proposer.reset()
+            proposer.observe(prompt[1:] + [prompt[0]], final, aux)
+            seen = {"tensor": [], "host": []}
+
+            def expand(level):
+                seen["tensor"].append((level.levels, level.scores, level.expanding,
+                                       [(s.position, s.token, s.q_raw, s.hidden) for s in level.path]))
+                return level.levels + 1 < stop_at
+
+            def host_expand(scores, expanding, path):
+                seen["host"].append((len(seen["host"]) + 1, scores, expanding, path))
+                return len(seen["host"]) + 1 < stop_at
+
+            tree = proposer.propose_tree(shape, expand)
+            proposer.cache.crop(proposer.anchors)
+            expected = host_tree(proposer, shape, host_expand)
+            assert tree.tokens.tolist() == expected.tokens.tolist() and tree.parents.tolist() == expected.parents.tolist()
+            assert tree.depth.tolist() == expected.depth.tolist() and tree.max_depth <= min(stop_at, shape.depth)
+            torch.testing.assert_close(tree.scores, expected.scores, atol=1e-5, rtol=1e-5)
+            assert len(seen["tensor"]) == len(seen["host"]) == min(stop_at, shape.depth) - 1
+            for (levels, scores, expanding, path), (levels_h, scores_h, expanding_h, path_h) in zip(*seen.values()):
+                assert levels == levels_h and len(path) == len(path_h) == levels
+                torch.testing.assert_close(torch.tensor(scores), torch.tensor(scores_h, dtype=torch.float32))
+                torch.testing.assert_close(torch.tensor(expanding), torch.tensor(expanding_h, dtype=torch.float32))
+                for step, step_h in zip(path, path_h):
+                    assert step[:2] == step_h[:2]
+                    torch.testing.assert_close(step[2], step_h[2])
+                    torch.testing.assert_close(step[3], step_h[3])
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 3, 3), TreeShape(3, 2, 5), TreeShape(5, 4, 12), TreeShape(3, 2, 5, 4)])
 def test_greedy_tree_output_is_the_targets_own(target, kind, shape):
