@@ -30,6 +30,7 @@ Notation: n rows in a forward, C slab capacity, S cached positions.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -290,6 +291,60 @@ class DrafterGraphs:
         out = self.recorded.replay(m, run).clone() if replay else run()
         self.cache.length = start + m
         return out
+
+
+    def fixed(self, key: Any, anchors: int, root: torch.Tensor, most: int,
+              draft: Callable[[torch.Tensor, torch.Tensor], tuple[Any, int]]) -> Any:
+        """A whole draft (a chain or a tree) at fixed shapes: `draft(anchors, root)`, given the anchors' count
+        as a device scalar and the state (1, H) that drafts the first token, runs every drafter forward
+        through `chain_step` or `tree_level` and returns (its result, the rows it wrote after the anchors).
+        On a GPU it is recorded once per `key` (the draft's shape) and replayed: one launch for the whole
+        draft. `most`: the most rows it may write. Returns the result (its tensors copied out)."""
+        _reserve(self, anchors + most, [self.cache])
+        buffers = self.inputs.get(key)
+        if buffers is None:
+            buffers = self.inputs[key] = (torch.zeros((), dtype=torch.long, device=self.device), torch.zeros_like(root))
+        count, state = buffers
+        count.fill_(anchors)
+        state.copy_(root)
+        if self.capture:  # the buffers are the graph's: the next replay overwrites them
+            result, written = self.recorded.replay(key, lambda: draft(count, state))
+            result = _copied(result)
+        else:
+            result, written = draft(count, state)
+        self.cache.length = anchors + written
+        return result
+
+    def chain_step(self, token: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor, drafted: int) -> torch.Tensor:
+        """One chain step inside `fixed`: the drafter on the `drafted`-th token (1, 1) with the state that drew
+        it (1, 1, H), written after the anchors and the tokens before it, which it sees. → (1, 1, H)."""
+        slot = anchors + (drafted - 1)
+        mask = torch.arange(self.capacity, device=self.device) <= slot
+        self.slots = slot.view(1)
+        return self.drafter(token, feature, slot.view(1, 1), mask[None, None, None], self.cache)
+
+    def tree_level(self, tokens: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor, seen: torch.Tensor,
+                   expanded: int, depth: int) -> torch.Tensor:
+        """One tree level inside `fixed`: the drafter on m expanded nodes (tokens (1, m), their parents' states
+        (1, m, H)) written at slots anchors + expanded + r, each seeing the anchors and the expanded nodes
+        `seen` (m, E_max) marks (entries anchors + j), at position anchors - 2 + depth. → states (m, H)."""
+        m, device = tokens.shape[1], self.device
+        mask = (torch.arange(self.capacity, device=device) < anchors).expand(m, -1).contiguous()
+        mask.index_copy_(1, anchors + torch.arange(seen.shape[1], device=device), seen)
+        self.slots = anchors + expanded + torch.arange(m, device=device)
+        positions = (anchors + (depth - 2)).expand(1, m)
+        return self.drafter(tokens, feature, positions, mask[None, None], self.cache)[0]
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it (in tuples, lists and dataclasses) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _copied(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    return value
 
 
 def compile_blocks(decoder: Any, enabled: bool = True) -> list[torch.nn.Module]:

@@ -18,7 +18,7 @@ import torch
 from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
 from draftsmith.runtime.cache import StaticKV, decoding_cache
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
-from draftsmith.runtime.policies import DraftStep, Policy, TreeLevel
+from draftsmith.runtime.policies import DraftStep, Policy, Static, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeShape, select_tree
 
@@ -245,6 +245,11 @@ class FeatureProposer:
     @under_packed_linears
     def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
+        if self.graphs is not None and sampling.greedy and type(policy) is Static:
+            if min(max_k, policy.k) <= 0:
+                return _empty(self.vocab_size)
+            tokens, scaled, raw = self._fixed_chain(min(max_k, policy.k), sampling)
+            return tokens.tolist(), scaled, raw
         tokens, scaled, raw = [], [], []
         hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token
         step = DraftStep(0, hidden=hidden[0, 0], committed=committed)
@@ -267,6 +272,26 @@ class FeatureProposer:
             return _empty(self.vocab_size)
         return tokens, torch.stack(scaled), torch.stack(raw)
 
+    def _fixed_chain(self, k: int, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`propose`'s greedy chain of k ≥ 1 tokens (a static policy) at fixed shapes: each token is taken on
+        the device, so the whole chain is one CUDA graph on a GPU (DrafterGraphs.fixed). Tokens (k,) on the
+        device, q_scaled and q_raw (k, V)."""
+        def chain(anchors: torch.Tensor, root: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
+            hidden, tokens, scaled, raw = root[None], [], [], []
+            for drafted in range(1, k + 1):
+                r, s = distributions(self.drafter.logits(hidden)[0, 0], sampling)
+                r, s = self._to_target(r), self._to_target(s)
+                tokens.append(s.argmax())
+                scaled.append(s)
+                raw.append(r)
+                if drafted < k:  # the next step reads (embed(x), own hidden) one position on
+                    hidden = self.graphs.chain_step(tokens[-1].view(1, 1), hidden, anchors, drafted)
+            return (torch.stack(tokens), torch.stack(scaled), torch.stack(raw)), k - 1
+
+        drafted = self.graphs.fixed(("chain", k), self.anchors, self.hidden[0], k - 1, chain)
+        self.forwards += k - 1
+        return drafted
+
     @torch.no_grad()
     @under_packed_linears
     def propose_tree(self, shape: TreeShape, expand: Expand | None = None) -> DraftTree:
@@ -276,29 +301,55 @@ class FeatureProposer:
         each level after the first, may stop the tree short of `shape.depth`.
 
         The tree is built on the drafter's device: candidates, scores and which expanded nodes are
-        each candidate's ancestors are tensors, so no level waits for the host (on a GPU a round's
-        levels queue up behind each other); only `expand` reads values."""
-        device, anchors = self.hidden.device, self.anchors
-        levels = _TreeLevels(self.hidden[0], (shape.depth - 1) * shape.topk)
-        frontier = levels.add_children(self._tree_logp(self.hidden[0]), shape.topk, None, self.to_target)
+        each candidate's ancestors are tensors, so no level waits for the host; only `expand` reads
+        values. With graphs enabled and no `expand`, the whole tree is drafted at fixed shapes, and on
+        a GPU recorded once per tree shape and replayed as one CUDA graph (DrafterGraphs.fixed)."""
+        if self.graphs is not None and expand is None:
+            def fixed_levels(anchors: torch.Tensor, root: torch.Tensor) -> tuple[tuple[DraftTree, int], int]:
+                def level(tokens, hidden, seen, expanded, depth):
+                    with grouped_query_sdpa(self.gqa and tokens.shape[1] > 1):
+                        return self.graphs.tree_level(tokens, hidden, anchors, seen, expanded, depth)
+                tree, expanded, levels = self._draft_tree(shape, None, root, level)
+                return (tree, levels), expanded
+
+            tree, levels = self.graphs.fixed(shape, self.anchors, self.hidden[0], (shape.depth - 1) * shape.topk,
+                                             fixed_levels)
+            self.forwards += levels
+            return tree
+        anchors, device = self.anchors, self.hidden.device
+
+        def level(tokens, hidden, seen, expanded, depth):
+            m = tokens.shape[1]
+            mask = torch.cat([torch.ones(m, anchors, dtype=torch.bool, device=device), seen[:, : expanded + m]], 1)
+            positions = torch.full((1, m), anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
+            with grouped_query_sdpa(self.gqa and m > 1):
+                return self.forward(tokens, hidden, positions, mask[None, None], self.cache)[0]
+
+        tree, _, levels = self._draft_tree(shape, expand, self.hidden[0], level)
+        self.forwards += levels
+        return tree
+
+    def _draft_tree(self, shape: TreeShape, expand: Expand | None, root: torch.Tensor,
+                    level: Callable[..., torch.Tensor]) -> tuple[DraftTree, int, int]:
+        """The tree's levels from the state `root` (1, H) that predicts the root's children; `level(tokens
+        (1, m), parent states (1, m, H), seen (m, E_max), expanded, depth)` runs the drafter on m expanded
+        nodes (seen: which expanded nodes each one sees, itself included, as buffer entries after the
+        anchors) and returns their states (m, H). Returns the tree, the nodes expanded, the levels run."""
+        levels = _TreeLevels(root, (shape.depth - 1) * shape.topk)
+        frontier = levels.add_children(self._tree_logp(root), shape.topk, None, self.to_target)
+        run = 0
         for depth in range(2, shape.depth + 1):
             order = torch.sort(frontier.scores, descending=True, stable=True).indices[: shape.topk]
             if expand is not None and not expand(levels.level(depth - 1, frontier, order)):
                 break
             m, e = order.shape[0], levels.expanded
-            seen = frontier.ancestors[order]  # (m, E_max): the expanded nodes each new row sees
-            mask = torch.cat([torch.ones(m, anchors, dtype=torch.bool, device=device), seen[:, :e],
-                              torch.eye(m, dtype=torch.bool, device=device)], 1)[None, None]
-            tokens = frontier.tokens[order][None]
-            parent_hidden = frontier.states[frontier.rows[order]][None]  # (1, m, H)
-            positions = torch.full((1, m), anchors - 2 + depth, device=device)  # a node at depth d sits at anchors-1+d
-            with grouped_query_sdpa(self.gqa and m > 1):
-                out = self.forward(tokens, parent_hidden, positions, mask, self.cache)[0]  # (m, H)
-            self.forwards += 1
-            seen[torch.arange(m, device=device), e + torch.arange(m, device=device)] = True
+            seen = frontier.ancestors[order]  # (m, E_max): the expanded nodes each new row sees ...
+            seen[:, e: e + m] = torch.eye(m, dtype=torch.bool, device=seen.device)  # ... itself too (no host value)
+            out = level(frontier.tokens[order][None], frontier.states[frontier.rows[order]][None], seen, e, depth)
+            run += 1
             levels.expand(order, out)
             frontier = levels.add_children(self._tree_logp(out), shape.topk, (frontier, order, seen), self.to_target)
-        return levels.tree(shape.total_tokens)
+        return levels.tree(shape.total_tokens), levels.expanded, run
 
     def _tree_logp(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, H) drafter states → the log-distributions (m, V or Vd) they give the next tokens."""

@@ -43,7 +43,9 @@ def distributions(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tens
     logits = logits.float()
     raw = torch.softmax(logits, dim=-1)
     if cfg.greedy:
-        return raw, torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
+        # one-hot by a scatter: F.one_hot checks its indices on the host off a GPU (and a CUDA graph
+        # records the whole greedy chain, tests/runtime/test_graphs.py runs it on the meta device)
+        return raw, torch.zeros_like(raw).scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     scaled = logits / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
         kth = scaled.topk(cfg.top_k, dim=-1).values[..., -1:]

@@ -13,6 +13,7 @@ from draftsmith.runtime.generate import TargetRunner, generate
 from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner, compile_blocks
 from draftsmith.runtime.policies import CostAware, Static
 from draftsmith.runtime.proposers import FeatureProposer
+from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import DraftTree, TreeShape
 from tests.runtime.conftest import V, assert_cache_is_recomputation, greedy_cases
 from tests.runtime.test_generate import proposers
@@ -106,7 +107,7 @@ def test_fixed_runner_sizes_trees_by_cost(target):
 def test_recorded_forward_reads_no_tensor_value(target):
     """What a CUDA graph records must not synchronize with the host: on the meta device every such
     read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees, and the
-    drafting of a tree."""
+    drafting of a whole tree and of a whole greedy chain (each one graph on a GPU)."""
     meta = copy.deepcopy(target).to("meta")
     for kind in ("eagle", "eagle3"):  # the drafters' forwards, as DrafterGraphs records them
         base = proposers(target)[kind]
@@ -125,6 +126,8 @@ def test_recorded_forward_reads_no_tensor_value(target):
                          torch.zeros(6, width, device="meta") if base.aux_layer_ids else None)
         tree = proposer.propose_tree(TreeShape(4, 3, 10))
         assert tree.tokens.device.type == "meta" and tree.tokens.shape == tree.parents.shape == (10,)
+        tokens, scaled, raw = proposer._fixed_chain(3, SamplingConfig())  # and a greedy chain, read back only after
+        assert tokens.device.type == "meta" and tokens.shape == (3,) and scaled.shape == raw.shape == (3, V)
     runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)
