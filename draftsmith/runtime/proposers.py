@@ -344,7 +344,9 @@ class FeatureProposer:
                 break
             m, e = order.shape[0], levels.expanded
             seen = frontier.ancestors[order]  # (m, E_max): the expanded nodes each new row sees ...
-            seen[:, e: e + m] = torch.eye(m, dtype=torch.bool, device=seen.device)  # ... itself too (no host value)
+            # ... itself too. A device tensor, not `= True`: PyTorch writes a Python scalar into a CUDA tensor
+            # by a copy from the host, which a CUDA graph cannot record (and the meta device does not show)
+            seen[:, e: e + m] = torch.eye(m, dtype=torch.bool, device=seen.device)
             out = level(frontier.tokens[order][None], frontier.states[frontier.rows[order]][None], seen, e, depth)
             run += 1
             levels.expand(order, out)

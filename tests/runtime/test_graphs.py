@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from draftsmith import DraftsmithError
 from draftsmith.runtime.generate import TargetRunner, generate
@@ -124,19 +125,36 @@ def test_recorded_forward_reads_no_tensor_value(target):
         width = target.config.hidden_size * max(1, len(base.aux_layer_ids))
         proposer.observe(list(range(6)), torch.zeros(6, target.config.hidden_size, device="meta"),
                          torch.zeros(6, width, device="meta") if base.aux_layer_ids else None)
-        tree = proposer.propose_tree(TreeShape(4, 3, 10))
+        with NoScalarWrites():
+            tree = proposer.propose_tree(TreeShape(4, 3, 10))
+            tokens, scaled, raw = proposer._fixed_chain(3, SamplingConfig())  # and a greedy chain, read back only after
         assert tree.tokens.device.type == "meta" and tree.tokens.shape == tree.parents.shape == (10,)
-        tokens, scaled, raw = proposer._fixed_chain(3, SamplingConfig())  # and a greedy chain, read back only after
         assert tokens.device.type == "meta" and tokens.shape == (3,) and scaled.shape == raw.shape == (3, V)
     runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)
+    recorded = runner._run  # what a graph records: checked for Python scalars written into tensors too
+
+    def run(*args):
+        with NoScalarWrites():
+            return recorded(*args)
+    runner._run = run
     logits, final, aux = runner.forward([1, 2, 3])
     assert logits.device.type == "meta" and logits.shape == (3, target.config.vocab_size)
     assert aux.shape == (3, 3 * target.config.hidden_size)
     tree = hand_tree([42, 7, 9, 11, 30, 2])
     logits, _, _ = runner.forward([5] + tree.tokens.tolist(), tree)
     assert logits.shape[0] == 7 and runner.cached() == 20
+
+
+class NoScalarWrites(TorchFunctionMode):
+    """Fails on `tensor[...] = <Python number>`: PyTorch writes that into a CUDA tensor by a copy from the
+    host, which a CUDA graph cannot record; the meta device does not show it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__setitem__ and not isinstance(args[2], torch.Tensor):
+            raise AssertionError(f"a Python {type(args[2]).__name__} written into a tensor inside a recorded draft")
+        return func(*args, **(kwargs or {}))
 
 
 def test_graph_runner_refuses_what_it_cannot_run(target):
