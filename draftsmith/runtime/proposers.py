@@ -10,7 +10,6 @@ Notation: K drafted tokens, V target vocab, H hidden, n newly committed anchors.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -20,7 +19,7 @@ from draftsmith.runtime.cache import StaticKV, decoding_cache
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.policies import DraftStep, Policy, Static, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
-from draftsmith.runtime.tree import DraftTree, TreeShape, select_tree
+from draftsmith.runtime.tree import DraftTree, TreeLevels, TreeShape
 
 Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
 
@@ -335,7 +334,7 @@ class FeatureProposer:
         (1, m), parent states (1, m, H), seen (m, E_max), expanded, depth)` runs the drafter on m expanded
         nodes (seen: which expanded nodes each one sees, itself included, as buffer entries after the
         anchors) and returns their states (m, H). Returns the tree, the nodes expanded, the levels run."""
-        levels = _TreeLevels(root, (shape.depth - 1) * shape.topk)
+        levels = TreeLevels(root, (shape.depth - 1) * shape.topk)
         frontier = levels.add_children(self._tree_logp(root), shape.topk, None, self.to_target)
         run = 0
         for depth in range(2, shape.depth + 1):
@@ -356,89 +355,6 @@ class FeatureProposer:
     def _tree_logp(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, H) drafter states → the log-distributions (m, V or Vd) they give the next tokens."""
         return torch.log_softmax(self.drafter.logits(hidden[None])[0].float(), dim=-1)
-
-
-@dataclass
-class _Frontier:
-    """A tree level's F candidates: tokens (F,) target ids, scores (F,) cumulative log-probabilities,
-    `rows` (F,) of `states` (m, H), the drafter outputs that predicted them, `ancestors` (F, E_max) which
-    expanded nodes are their ancestors, and `first` the candidate index of the first of them."""
-
-    tokens: torch.Tensor
-    scores: torch.Tensor
-    states: torch.Tensor
-    rows: torch.Tensor
-    ancestors: torch.Tensor
-    first: int
-
-
-class _TreeLevels:
-    """A tree's candidates level by level, as device tensors, with what `expand` policies read."""
-
-    def __init__(self, root_state: torch.Tensor, max_expanded: int):
-        self.root_state, self.max_expanded = root_state, max_expanded  # (1, H): predicts the root's children
-        self.tokens, self.parents, self.scores, self.depths = [], [], [], []  # per level, global candidate order
-        self.count, self.expanded = 0, 0
-        # each level's predicting states and log-distributions (row i of level d: its i-th expanded node)
-        self.states, self.logps = [root_state], []
-
-    def add_children(self, logp: torch.Tensor, topk: int, parent: tuple | None,
-                     to_target: torch.Tensor | None) -> _Frontier:
-        """The `topk` best children of each state behind `logp` (m, V): the next frontier. `parent`:
-        (frontier, order, seen) of the nodes just expanded, None for the root."""
-        self.logps.append(logp)
-        top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
-        m, k, device = logp.shape[0], top.indices.shape[1], logp.device
-        tokens = (top.indices if to_target is None else to_target[top.indices]).reshape(-1)
-        rows = torch.arange(m, device=device).repeat_interleave(k)
-        values = top.values.clamp(max=0)  # a log-probability: rounding must not lift a child above its parent
-        if parent is None:
-            scores, parents = values.reshape(-1), torch.full((m * k,), -1, dtype=torch.long, device=device)
-            ancestors = torch.zeros(m * k, self.max_expanded, dtype=torch.bool, device=device)
-            states = self.root_state
-        else:
-            frontier, order, seen = parent
-            scores = (frontier.scores[order][:, None] + values).reshape(-1)
-            parents = (frontier.first + order).repeat_interleave(k)
-            ancestors, states = seen.repeat_interleave(k, 0), self.states[-1]
-        depth = len(self.tokens) + 1
-        self.tokens.append(tokens)
-        self.parents.append(parents)
-        self.scores.append(scores)
-        self.depths.append(torch.full((m * k,), depth, dtype=torch.long, device=device))
-        first, self.count = self.count, self.count + m * k
-        return _Frontier(tokens, scores, states, rows, ancestors, first)
-
-    def expand(self, order: torch.Tensor, out: torch.Tensor) -> None:
-        """The frontier's nodes `order` were fed to the drafter, which gave `out` (m, H)."""
-        self.states.append(out)
-        self.expanded += order.shape[0]
-
-    def level(self, levels: int, frontier: _Frontier, order: torch.Tensor) -> TreeLevel:
-        """What an `expand` policy sees before the next level (this reads values on the host)."""
-        scores = torch.cat(self.scores).tolist()
-        expanding = frontier.scores[order].tolist()
-        parents = torch.cat(self.parents).tolist()
-        tokens = torch.cat(self.tokens).tolist()
-        path, node = [], frontier.first + int(order[0])
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        steps = []
-        for level, c in enumerate(reversed(path)):  # c was drafted at depth level + 1 by a state of `level`
-            row = self._predictor_row(c, level)
-            steps.append(DraftStep(level + 1, tokens[c], self.logps[level][row].exp(), self.states[level][row]))
-        return TreeLevel(levels, scores, expanding, steps)
-
-    def _predictor_row(self, candidate: int, level: int) -> int:
-        """The row, among level `level`'s predicting states, of the state that predicted `candidate`."""
-        k = self.tokens[level].shape[0] // self.logps[level].shape[0]
-        first = sum(t.shape[0] for t in self.tokens[:level])
-        return (candidate - first) // k
-
-    def tree(self, total_tokens: int) -> DraftTree:
-        return select_tree(torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores),
-                           torch.cat(self.depths), total_tokens)
 
 
 class ModelProposer:
