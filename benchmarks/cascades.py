@@ -29,8 +29,6 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 # method: (mode, rule, alpha grid); lossy at T = 0 is Leviathan's greedy variant (V3 on the raw law)
 METHODS = {
@@ -69,7 +67,7 @@ def main() -> None:
     from draftsmith.runtime.generate import TargetRunner, generate
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
-    from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.runtime.sampling import SamplingConfig, seeded
     from draftsmith.runtime.targets import target_rule
 
     if not (Path(args.drafter) / "draftsmith.json").is_file():
@@ -87,7 +85,7 @@ def main() -> None:
           f"reference tokens of {len(chats)} held-out chats")
 
     def seconds_per_token(proposer_, rule, sampling, seed=0, runner_=runner) -> float:
-        g, tokens, seconds = torch.Generator().manual_seed(seed), 0, 0.0
+        g, tokens, seconds = seeded(seed, runner_.device), 0, 0.0
         for ids in decoded:
             out = generate(runner_, proposer_, ids, args.max_new_tokens, Static(args.k), sampling, rule=rule,
                            eos_token_ids=eos, generator=g)

@@ -14,10 +14,18 @@ native export instead. Cache: `--context` tokens.
 
     python benchmarks/round_cost.py [--drafter DIR] [--context 400] [--chains 3,4]
                                     [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30] [--dtype float32]
-                                    [--compile]
+                                    [--compile] [--arms runtime,reference]
 
 Ends with `RESULT ar_ms=... ar_ms_reference=... ratio_<shape>=<round / AR step>
 ratio_<shape>_reference=...`.
+
+Every run also times the target's matrix products alone (all its linear layers, packed as the runtime
+runs them) at one row and at each shape's row count, and prints `floor_<shape>` = 1 + (their extra time
+over one row) / AR step: the verification's cost in steps if nothing but its matrix products grew with
+its rows. Where that is above a target, no change to the rest of the runtime can meet it on that machine:
+the products are compute-bound there (`matmul_gflops`, the rate of the largest shape's extra rows).
+
+`--arms runtime,graphs` (say) times only the arms named, of those the other flags ask for.
 
 `--profile` first prints where a round's time goes, by torch.profiler, for the autoregressive step,
 the first chain and the first tree of each runtime: milliseconds per round in matrix products,
@@ -142,6 +150,27 @@ GPU_CATEGORIES = {  # substrings of CUDA kernel names → part of a round's GPU 
     "gpu attention": ("fmha", "attention", "flash", "softmax"),
     "gpu copies": ("copy", "index", "cat", "memcpy", "memset", "fill"),
 }
+
+
+def linears_ms(model, rows: int, repeats: int) -> float:
+    """Milliseconds to run every linear layer of `model` (its decoder's and its head) once on `rows` rows,
+    one after another as in a forward, the way the runtime runs them (packed weights on a CPU): the
+    matrix products of a forward over `rows` tokens without anything else."""
+    from draftsmith.runtime.kernels import PackedLinears
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weight = linears[0].weight
+    inputs = {n: torch.randn(1, rows, n, dtype=weight.dtype, device=weight.device)
+              for n in {m.in_features for m in linears}}
+    packed = PackedLinears(model)
+
+    def run():
+        with packed:
+            for m in linears:
+                m(inputs[m.in_features])
+
+    with torch.no_grad():
+        return median_ms(run, repeats)
 
 
 def profile_ms(fn, repeats: int) -> dict[str, float]:
@@ -358,7 +387,32 @@ def main() -> None:
                 key = name.replace(" ", "").replace(",", "_")
                 parts += [f"ratio_{key}{suffix}={ratio:.3f}", f"verify_{key}{suffix}={verify_ms / ar:.3f}"]
     parts += [f"{key}={ms:.2f}" for key, ms in replays.items()]
+    parts += floor_keys(target.model, timed, args.repeats)
     print("RESULT " + " ".join(parts))
+
+
+def floor_keys(model, timed: dict, repeats: int) -> list[str]:
+    """`floor_<shape>` for every shape the first arm timed: its verification's cost in steps if only its
+    matrix products grew with its rows (against that arm's AR step), and the rate of those products."""
+    if not timed:
+        return []
+    rows = next(iter(timed.values()))
+    ar = rows[0][3]
+    counts = sorted({1} | {n + 1 for _, n, _, _ in rows[1:]})  # a verification's rows: the last token, n drafted
+    ms = {n: float("inf") for n in counts}
+    for _ in range(3):  # interleaved passes, the least median of each: the floor, as little noise in it as may be
+        for n in counts:
+            ms[n] = min(ms[n], linears_ms(model, n, repeats))
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    print("matrix products alone, ms: " + ", ".join(f"{n} rows {t:.2f}" for n, t in ms.items()))
+    keys = [f"matmul_ms_1row={ms[1]:.2f}"]
+    for name, n, _, _ in rows[1:]:
+        key = name.replace(" ", "").replace(",", "_")
+        keys.append(f"floor_{key}={1 + (ms[n + 1] - ms[1]) / ar:.3f}")
+    most = counts[-1]
+    if most > 1 and ms[most] > ms[1]:
+        keys.append(f"matmul_gflops={2 * params * (most - 1) / (ms[most] - ms[1]) / 1e6:.0f}")
+    return keys
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from draftsmith.runtime.generate import GenerationResult, TargetRule, TargetRunner, generate
 from draftsmith.runtime.policies import Policy
 from draftsmith.runtime.proposers import NoProposer, Proposer
-from draftsmith.runtime.sampling import SamplingConfig
+from draftsmith.runtime.sampling import SamplingConfig, seeded
 
 
 def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def decode_all(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]
                make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...],
                seed: int, on_prompt: Callable[[], None] | None = None, tree: Any = None,
                rule: TargetRule | None = None) -> list[GenerationResult]:
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed, runner.device)
     out = []
     for ids in prompts:
         out.append(generate(runner, proposer, ids, max_new_tokens, make_policy(ids), sampling, rule=rule,

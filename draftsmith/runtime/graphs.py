@@ -292,7 +292,6 @@ class DrafterGraphs:
         self.cache.length = start + m
         return out
 
-
     def fixed(self, key: Any, anchors: int, root: torch.Tensor, most: int,
               draft: Callable[[torch.Tensor, torch.Tensor], tuple[Any, int]]) -> Any:
         """A whole draft (a chain or a tree) at fixed shapes: `draft(anchors, root)`, given the anchors' count

@@ -253,9 +253,7 @@ class FeatureProposer:
         hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token
         step = DraftStep(0, hidden=hidden[0, 0], committed=committed)
         while len(tokens) < max_k and policy.keep_going(step):
-            logits = self.drafter.logits(hidden)[0, 0]  # (V or Vd)
-            r, s = distributions(logits, sampling)
-            r, s = self._to_target(r), self._to_target(s)
+            r, s = self._next(hidden, sampling)
             x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
             tokens.append(x)
             scaled.append(s)
@@ -271,6 +269,12 @@ class FeatureProposer:
             return _empty(self.vocab_size)
         return tokens, torch.stack(scaled), torch.stack(raw)
 
+    def _next(self, hidden: torch.Tensor, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw and scaled distributions (V,) over the target's vocabulary that the state (1, 1, H) gives
+        the next drafted token."""
+        r, s = distributions(self.drafter.logits(hidden)[0, 0], sampling)
+        return self._to_target(r), self._to_target(s)
+
     def _fixed_chain(self, k: int, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`propose`'s greedy chain of k ≥ 1 tokens (a static policy) at fixed shapes: each token is taken on
         the device, so the whole chain is one CUDA graph on a GPU (DrafterGraphs.fixed). Tokens (k,) on the
@@ -278,9 +282,8 @@ class FeatureProposer:
         def chain(anchors: torch.Tensor, root: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
             hidden, tokens, scaled, raw = root[None], [], [], []
             for drafted in range(1, k + 1):
-                r, s = distributions(self.drafter.logits(hidden)[0, 0], sampling)
-                r, s = self._to_target(r), self._to_target(s)
-                tokens.append(s.argmax())
+                r, s = self._next(hidden, sampling)
+                tokens.append(s.argmax())  # kept on the device
                 scaled.append(s)
                 raw.append(r)
                 if drafted < k:  # the next step reads (embed(x), own hidden) one position on

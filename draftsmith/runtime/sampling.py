@@ -67,6 +67,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
+def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded with `seed` on `device`: decoding draws its random numbers on the device its
+    distributions live on (torch refuses a CPU generator for a GPU tensor's draws)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of (..., V) probabilities, (...,) long."""
     flat = probs.reshape(-1, probs.shape[-1])

@@ -94,3 +94,31 @@ def test_draft_vocab_coverage_counts_generated_tokens_the_drafter_can_propose():
     results = [GenerationResult(tokens=[1, 2, 3, 9], prompt_length=2), GenerationResult(tokens=[2, 2, 7, 50], prompt_length=2)]
     assert draft_vocab_coverage(results, torch.tensor([2, 3, 7])) == 5 / 8
     assert draft_vocab_coverage(results, None) is None
+
+
+def test_decoding_draws_its_random_numbers_on_the_targets_device(monkeypatch):
+    """torch refuses a CPU generator for a GPU tensor's draws (sampling, the acceptance test), so eval's
+    seeded generator is made on the device the runner decodes on. A stand-in runner "on a GPU" and a
+    recording generator show which device it is asked for, on a CPU-only build."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from draftsmith.eval import acceptance
+    from draftsmith.runtime import sampling
+
+    asked, passed = [], []
+
+    class Recording:
+        def __init__(self, device="cpu"):
+            asked.append(torch.device(device))
+
+        def manual_seed(self, seed):
+            return self
+
+    monkeypatch.setattr(sampling.torch, "Generator", Recording)
+    monkeypatch.setattr(acceptance, "generate", lambda *a, generator=None, **k: passed.append(generator))
+    runner = SimpleNamespace(device=torch.device("cuda", 1))
+    acceptance.decode_all(runner, None, [[1, 2], [3]], 4, lambda ids: None, sampling.SamplingConfig(1.0), (), seed=7)
+    assert asked == [torch.device("cuda", 1)]
+    assert len(passed) == 2 and all(isinstance(g, Recording) for g in passed)  # one generator for the whole run
