@@ -46,7 +46,7 @@ class DecodeOptions:
             absorbs the compile, and the report gives its time.
         graphs: on a GPU, replay each target forward and each feature drafter's forward from a CUDA graph
             (KV caches of fixed capacity, one graph per row count, recorded at its first use;
-            runtime/graphs.py); a greedy static chain or a tree without a stop policy is drafted
+            runtime/graphs.py); a static chain (greedy or sampled) or a tree without a stop policy is drafted
             whole by one graph. Both arms use it. With --compile, the target's norms and MLPs are
             compiled (inductor) and their fused kernels recorded into the graphs.
         dtype: target and drafter dtype (the same for both arms).

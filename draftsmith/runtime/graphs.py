@@ -101,9 +101,11 @@ class Recorded:
         self.graphs.clear()
         self.pool = None
 
-    def replay(self, key: int, run: Callable[[], Any]) -> Any:
+    def replay(self, key: Any, run: Callable[[], Any], generator: torch.Generator | None = None) -> Any:
         """Replay `key`'s graph and return its output buffers; the first time, record `run` (after one
-        eager warm-up on a side stream, which writes the same cache rows the replay does)."""
+        eager warm-up on a side stream, which writes the same cache rows the replay does). `generator`:
+        a CUDA generator `run` draws from, registered with the graph so that every replay draws anew
+        from it (torch's default generator needs no registering)."""
         entry = self.graphs.get(key)
         if entry is None:
             stream = torch.cuda.Stream(self.device)
@@ -112,6 +114,8 @@ class Recorded:
                 run()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            if generator is not None:
+                graph.register_generator_state(generator)
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = run()
             self.pool = graph.pool()
@@ -256,9 +260,24 @@ class DrafterGraphs:
         self.cache = FixedLayer(self)
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.recorded = Recorded(self.device)
+        self.generator: torch.Generator | None = None  # what recorded sampled drafts draw from (`draws`)
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def draws(self, generator: torch.Generator | None) -> torch.Generator | None:
+        """The generator a sampled whole draft (`fixed`) draws from. Run eagerly: the caller's own. Recorded:
+        the graphs' own CUDA generator, seeded once from the caller's and registered with every graph that
+        samples (a graph keeps the generator it was recorded with, while the caller may bring a new one per
+        run); torch's default generator where the caller has none, or where this torch cannot register one."""
+        if not self.capture or generator is None:
+            return generator
+        if not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            return None
+        if self.generator is None:
+            seed = torch.randint(2**62, (1,), generator=generator, device=generator.device)
+            self.generator = torch.Generator(self.device).manual_seed(int(seed))
+        return self.generator
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
@@ -293,12 +312,14 @@ class DrafterGraphs:
         return out
 
     def fixed(self, key: Any, anchors: int, root: torch.Tensor, most: int,
-              draft: Callable[[torch.Tensor, torch.Tensor], tuple[Any, int]]) -> Any:
+              draft: Callable[[torch.Tensor, torch.Tensor], tuple[Any, int]],
+              generator: torch.Generator | None = None) -> Any:
         """A whole draft (a chain or a tree) at fixed shapes: `draft(anchors, root)`, given the anchors' count
         as a device scalar and the state (1, H) that drafts the first token, runs every drafter forward
         through `chain_step` or `tree_level` and returns (its result, the rows it wrote after the anchors).
-        On a GPU it is recorded once per `key` (the draft's shape) and replayed: one launch for the whole
-        draft. `most`: the most rows it may write. Returns the result (its tensors copied out)."""
+        On a GPU it is recorded once per `key` (the draft's shape and sampling) and replayed: one launch for
+        the whole draft. `most`: the most rows it may write. `generator`: what a sampled draft draws from
+        (`draws`). Returns the result (its tensors copied out)."""
         _reserve(self, anchors + most, [self.cache])
         buffers = self.inputs.get(key)
         if buffers is None:
@@ -307,7 +328,7 @@ class DrafterGraphs:
         count.fill_(anchors)
         state.copy_(root)
         if self.capture:  # the buffers are the graph's: the next replay overwrites them
-            result, written = self.recorded.replay(key, lambda: draft(count, state))
+            result, written = self.recorded.replay(key, lambda: draft(count, state), generator)
             result = _copied(result)
         else:
             result, written = draft(count, state)

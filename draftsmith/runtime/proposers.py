@@ -244,10 +244,10 @@ class FeatureProposer:
     @under_packed_linears
     def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        if self.graphs is not None and sampling.greedy and type(policy) is Static:
+        if self.graphs is not None and type(policy) is Static:
             if min(max_k, policy.k) <= 0:
                 return _empty(self.vocab_size)
-            tokens, scaled, raw = self._fixed_chain(min(max_k, policy.k), sampling)
+            tokens, scaled, raw = self._fixed_chain(min(max_k, policy.k), sampling, generator)
             return tokens.tolist(), scaled, raw
         tokens, scaled, raw = [], [], []
         hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token
@@ -275,22 +275,26 @@ class FeatureProposer:
         r, s = distributions(self.drafter.logits(hidden)[0, 0], sampling)
         return self._to_target(r), self._to_target(s)
 
-    def _fixed_chain(self, k: int, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`propose`'s greedy chain of k ≥ 1 tokens (a static policy) at fixed shapes: each token is taken on
-        the device, so the whole chain is one CUDA graph on a GPU (DrafterGraphs.fixed). Tokens (k,) on the
-        device, q_scaled and q_raw (k, V)."""
+    def _fixed_chain(self, k: int, sampling: SamplingConfig, generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`propose`'s chain of k ≥ 1 tokens (a static policy) at fixed shapes: each token is taken (greedy) or
+        drawn (`sample`, which reads nothing back) on the device, so the whole chain is one CUDA graph on a
+        GPU (DrafterGraphs.fixed). Run eagerly it draws what `propose` draws from the same generator. Tokens
+        (k,) on the device, q_scaled and q_raw (k, V)."""
+        draws = None if sampling.greedy else self.graphs.draws(generator)
+
         def chain(anchors: torch.Tensor, root: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
             hidden, tokens, scaled, raw = root[None], [], [], []
             for drafted in range(1, k + 1):
                 r, s = self._next(hidden, sampling)
-                tokens.append(s.argmax())  # kept on the device
+                tokens.append(s.argmax() if sampling.greedy else sample(s, draws))  # kept on the device
                 scaled.append(s)
                 raw.append(r)
                 if drafted < k:  # the next step reads (embed(x), own hidden) one position on
                     hidden = self.graphs.chain_step(tokens[-1].view(1, 1), hidden, anchors, drafted)
             return (torch.stack(tokens), torch.stack(scaled), torch.stack(raw)), k - 1
 
-        drafted = self.graphs.fixed(("chain", k), self.anchors, self.hidden[0], k - 1, chain)
+        drafted = self.graphs.fixed(("chain", k, sampling), self.anchors, self.hidden[0], k - 1, chain, draws)
         self.forwards += k - 1
         return drafted
 

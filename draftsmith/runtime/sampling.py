@@ -74,6 +74,13 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of (..., V) probabilities, (...,) long."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token per row of (..., V) probabilities, (...,) long: the index of the largest p_i / E_i with
+    E_i ~ Exp(1) independent (an exponential race, which picks i with probability p_i). It is what
+    `torch.multinomial(probs, 1)` computes, drawing the same numbers from the generator, so the tokens
+    are the same; multinomial first checks the probabilities on the host, which on a GPU waits for the
+    device at every draw and cannot be recorded into a CUDA graph. Here that check runs only on a CPU."""
+    if probs.device.type == "cpu" and not (bool(((probs >= 0) & (probs < float("inf"))).all())
+                                           and bool((probs.sum(-1) > 0).all())):
+        raise DraftsmithError("probabilities contain inf, nan or a negative value, or a row sums to 0")
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)

@@ -139,6 +139,17 @@ def exact_law(model, prompt, length, cfg):
     return law
 
 
+def assert_follows_law(counts: Counter, law: dict) -> None:
+    """The sequences counted (`counts`, of n draws) follow `law`: none of probability zero, and a χ²
+    statistic below ~ the 0.1 % tail of χ²(df), df = sequences of nonzero probability − 1."""
+    n = sum(counts.values())
+    cells = [s for s in law if law[s] > 0]
+    assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
+    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
+    df = len(cells) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
+
+
 @pytest.mark.parametrize("cfg, k, head_ids", [
                                     (SamplingConfig(temperature=0.7, top_k=3), 3, None),
                                     (SamplingConfig(temperature=1.3, top_p=0.8), 1, None),
@@ -154,11 +165,7 @@ def test_multi_step_sampling_is_lossless(cfg, k, head_ids):
     proposer = ModelProposer(draft, tv, None if head_ids is None else torch.tensor(head_ids))
     counts = Counter(tuple(generate(runner, proposer, prompt, length, Static(k), cfg, generator=g).tokens)
                      for _ in range(n))
-    cells = [s for s in law if law[s] > 0]
-    assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
-    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
-    df = len(cells) - 1
-    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)  # ~ the 0.1% tail of chi-square(df)
+    assert_follows_law(counts, law)
     tv_dist = 0.5 * sum(abs(counts.get(s, 0) / n - law[s]) for s in law)
     assert tv_dist < 5 * 0.5 * sum((law[s] * (1 - law[s]) / n) ** 0.5 for s in law)
 

@@ -4,6 +4,7 @@ the plain runner's tokens for chains, trees and lookup branches, and no host syn
 forward (run on the meta device, where any read of a tensor's value fails)."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ from draftsmith.runtime.policies import CostAware, Static
 from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import DraftTree, TreeShape
+from tests.conftest import make_llama
 from tests.runtime.conftest import V, assert_cache_is_recomputation, greedy_cases
-from tests.runtime.test_generate import proposers
-from tests.runtime.test_tree import hand_tree
+from tests.runtime.test_generate import assert_follows_law, exact_law, proposers
+from tests.runtime.test_tree import hand_tree, peaky_drafter
 
 
 def test_fixed_slabs_roll_back_keep_paths_and_grow_as_recomputation(target):
@@ -83,6 +85,46 @@ def test_fixed_drafter_drafts_what_the_plain_drafter_does(target, kind, shape):
     assert fixed.graphs.capacity == 128
 
 
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=5)])
+def test_fixed_sampled_chain_draws_what_the_plain_chain_draws(target, cfg):
+    """A sampled chain drafted whole at fixed shapes (each token drawn on the device) takes the plain
+    drafter's tokens from the same generator, round after round, with the same distributions."""
+    base = proposers(target)["eagle3"]
+    fixed = FeatureProposer(base.drafter, V, base.aux_layer_ids)
+    fixed.enable_graphs(capture=False)
+    whole = []
+    fixed._fixed_chain = lambda *a, real=fixed._fixed_chain: whole.append(a[0]) or real(*a)
+    for prompt, _ in greedy_cases(target, seeds=2, prompt_length=40, new_tokens=30):
+        outputs = []
+        for proposer in (fixed, FeatureProposer(base.drafter, V, base.aux_layer_ids)):
+            drafts = recording(proposer)
+            out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, Static(3), cfg,
+                           generator=torch.Generator().manual_seed(11))
+            outputs.append((out.tokens, drafts))
+        assert outputs[0][0] == outputs[1][0]
+        assert [tokens for tokens, _ in outputs[0][1]] == [tokens for tokens, _ in outputs[1][1]]
+        for (_, mine), (_, plain) in zip(outputs[0][1], outputs[1][1]):
+            torch.testing.assert_close(mine, plain, atol=1e-5, rtol=1e-5)
+    assert whole and set(whole) <= {1, 2, 3} and whole.count(3) > len(whole) // 2  # every chain was drafted whole
+
+
+def test_fixed_sampled_chains_are_lossless():
+    """χ² of 4000 sampled 4-token continuations against the target's exact law, every chain drafted whole."""
+    tv, length, n = 4, 4, 4000
+    target = make_llama(tv, seed=3, hidden=16, layers=1)
+    torch.manual_seed(5)
+    proposer, cfg = FeatureProposer(peaky_drafter(target), tv), SamplingConfig(temperature=0.9, top_k=3)
+    proposer.enable_graphs(capture=False)
+    whole = []
+    proposer._fixed_chain = lambda *a, real=proposer._fixed_chain: whole.append(a[0]) or real(*a)
+    law = exact_law(target, [1, 2], length, cfg)
+    g, runner = torch.Generator().manual_seed(0), TargetRunner(target)
+    outs = [generate(runner, proposer, [1, 2], length, Static(2), cfg, generator=g) for _ in range(n)]
+    assert whole.count(2) >= n and len({r.accepted for o in outs for r in o.rounds}) > 1
+    counts = Counter(tuple(o.tokens) for o in outs)
+    assert_follows_law(counts, law)
+
+
 def recording(proposer) -> list[tuple[list[int], torch.Tensor]]:
     """Every draft the proposer makes, as it makes it: a chain's tokens and their raw distributions, or a
     tree's nodes and their path scores."""
@@ -108,7 +150,7 @@ def test_fixed_runner_sizes_trees_by_cost(target):
 def test_recorded_forward_reads_no_tensor_value(target):
     """What a CUDA graph records must not synchronize with the host: on the meta device every such
     read (`.item()`, a tensor's truth value, a data-dependent shape) raises. Chains and trees, and the
-    drafting of a whole tree and of a whole greedy chain (each one graph on a GPU)."""
+    drafting of a whole tree and of a whole greedy or sampled chain (each one graph on a GPU)."""
     meta = copy.deepcopy(target).to("meta")
     for kind in ("eagle", "eagle3"):  # the drafters' forwards, as DrafterGraphs records them
         base = proposers(target)[kind]
@@ -128,8 +170,10 @@ def test_recorded_forward_reads_no_tensor_value(target):
         with NoScalarWrites():
             tree = proposer.propose_tree(TreeShape(4, 3, 10))
             tokens, scaled, raw = proposer._fixed_chain(3, SamplingConfig())  # and a greedy chain, read back only after
+            drawn, _, _ = proposer._fixed_chain(3, SamplingConfig(temperature=0.8, top_k=5))  # and a sampled one
         assert tree.tokens.device.type == "meta" and tree.tokens.shape == tree.parents.shape == (10,)
         assert tokens.device.type == "meta" and tokens.shape == (3,) and scaled.shape == raw.shape == (3, V)
+        assert drawn.device.type == "meta" and drawn.shape == (3,)
     runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)
@@ -186,6 +230,27 @@ def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape, fused):
         assert outputs[0] == outputs[1] == outputs[2] and outputs[0][0] == expected
     assert graphs.recorded.graphs and graphs.capacity == 128
     assert graphed.graphs.recorded.graphs and graphed.graphs.capacity == 128
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_record_a_sampled_chain(target):
+    """On a GPU: a sampled chain is one recorded graph per length and sampling setting, drawing from the
+    graphs' own generator (seeded from the caller's, registered with the graph): every drafted token has
+    q > 0, and the same seed decodes the same tokens again. Without a generator, torch's default one."""
+    gpu, base = copy.deepcopy(target).cuda(), proposers(target)["eagle3"]
+    drafter = copy.deepcopy(base.drafter).cuda()
+    cfg, (prompt, _) = SamplingConfig(temperature=1.0), next(greedy_cases(target, seeds=1, prompt_length=40))
+    runs = []
+    for generator in (torch.Generator("cuda").manual_seed(3), torch.Generator("cuda").manual_seed(3), None):
+        graphed = FeatureProposer(drafter, V, base.aux_layer_ids)
+        graphed.enable_graphs()
+        drafts = recording(graphed)
+        out = generate(GraphRunner(gpu, graphed.aux_layer_ids), graphed, prompt, 30, Static(3), cfg, generator=generator)
+        assert ("chain", 3, cfg) in graphed.graphs.recorded.graphs
+        assert (graphed.graphs.generator is None) == (generator is None)
+        assert all(bool(q[i, t] > 0) for tokens, q in drafts for i, t in enumerate(tokens))
+        runs.append(out.tokens)
+    assert runs[0] == runs[1]
 
 
 def test_eval_graphs_setting_is_checked():

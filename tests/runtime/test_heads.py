@@ -17,7 +17,7 @@ from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import TreeShape
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
-from tests.runtime.test_generate import exact_law, proposers
+from tests.runtime.test_generate import assert_follows_law, exact_law, proposers
 
 
 class Recorder(Static):
@@ -194,10 +194,7 @@ def test_sampling_with_a_head_policy_is_lossless(policy_name):
     outs = [generate(runner, proposer, prompt, length, make(), cfg, generator=g) for _ in range(n)]
     assert len({r.drafted for o in outs for r in o.rounds}) > 1, "the head never changed the draft length"
     counts = Counter(tuple(o.tokens) for o in outs)
-    cells = [s for s in law if law[s] > 0]
-    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
-    df = len(cells) - 1
-    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
+    assert_follows_law(counts, law)
 
 
 def top1_acceptance_head(size, cut, k=4):

@@ -16,7 +16,7 @@ from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, buil
                                      tree_attention_mask, verify_tree)
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
-from tests.runtime.test_generate import exact_law, proposers
+from tests.runtime.test_generate import assert_follows_law, exact_law, proposers
 
 
 #        root
@@ -291,11 +291,7 @@ def test_multi_step_tree_sampling_is_lossless(cfg, shape, prompt, policy):
     if isinstance(policy, ClassifierStop):
         assert len({r.drafter_forwards for o in outs for r in o.rounds[:1]}) > 1, "the head never changed the depth"
     counts = Counter(tuple(o.tokens) for o in outs)
-    cells = [s for s in law if law[s] > 0]
-    assert all(law[s] > 0 for s in counts), "a sequence of probability zero was produced"
-    chi2 = sum((counts.get(s, 0) - n * law[s]) ** 2 / (n * law[s]) for s in cells)
-    df = len(cells) - 1
-    assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
+    assert_follows_law(counts, law)
 
 
 def test_drafter_state_after_tree_rounds_equals_a_fresh_recomputation(target):
