@@ -7,7 +7,8 @@
 #      at 400 and at 2000 cached tokens;
 #      with two more arms on CUDA graphs: without grouped query heads folded into rows (--unfolded)
 #      and with the target's norms and MLPs compiled (--compile-blocks);
-#   3. the same with --profile for a one-token step, a chain of 3 and a 6,10,60 tree: where each
+#   3. chains drafted by sampling (--temperature 1), on CUDA graphs: each sampled chain recorded whole;
+#   4. the same with --profile for a one-token step, a chain of 3 and a 6,10,60 tree: where each
 #      arm's round goes, host and GPU kernels by kind.
 # Logs go to $OUT (default /tmp/gpu-round-cost).
 set -u
@@ -22,5 +23,7 @@ for context in 400 2000; do
     --graphs --unfolded --compile-blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 --context "$context" 2>&1 \
     | tee "$out/round_cost_8b_ctx$context.txt"
 done
+timeout 200 python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 \
+  --graphs --arms runtime,graphs --chains 3,4 --trees --temperature 1 --repeats 30 2>&1 | tee "$out/round_cost_8b_t1.txt"
 timeout 300 python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 \
   --graphs --unfolded --compile-blocks --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 | tee "$out/round_cost_8b_profile.txt"

@@ -14,7 +14,7 @@ native export instead. Cache: `--context` tokens.
 
     python benchmarks/round_cost.py [--drafter DIR] [--context 400] [--chains 3,4]
                                     [--trees 4,4,12 5,6,24 5,8,32 6,8,40] [--repeats 30] [--dtype float32]
-                                    [--compile] [--arms runtime,reference]
+                                    [--compile] [--arms runtime,reference] [--temperature 0]
 
 Ends with `RESULT ar_ms=... ar_ms_reference=... ratio_<shape>=<round / AR step>
 ratio_<shape>_reference=...`.
@@ -25,7 +25,8 @@ over one row) / AR step: the verification's cost in steps if nothing but its mat
 its rows. Where that is above a target, no change to the rest of the runtime can meet it on that machine:
 the products are compute-bound there (`matmul_gflops`, the rate of the largest shape's extra rows).
 
-`--arms runtime,graphs` (say) times only the arms named, of those the other flags ask for.
+`--temperature T` drafts the chains by sampling at T (a chain's drafting then includes its draws; on a
+GPU the graphs arm records each sampled chain whole). `--arms runtime,graphs` (say) times only the arms named, of those the other flags ask for.
 
 `--profile` first prints where a round's time goes, by torch.profiler, for the autoregressive step,
 the first chain and the first tree of each runtime: milliseconds per round in matrix products,
@@ -228,6 +229,8 @@ def main() -> None:
     ap.add_argument("--trees", nargs="*", default=["4,4,12", "5,6,24", "5,8,32", "6,8,40"], help="DEPTH,TOPK,TOKENS")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="draft chains by sampling at this temperature (0: greedy); trees draft their top-k either way")
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
     ap.add_argument("--compile", action="store_true",
                     help="time the runtime with its decoder compiled (torch.compile, inductor); the reference stays eager")
@@ -280,7 +283,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     prompt = torch.randint(1000, target.vocab_size, (args.context,)).tolist()
-    sampling = SamplingConfig()
+    sampling = SamplingConfig(temperature=args.temperature)
     shapes = [(f"chain {k}", k) for k in (int(x) for x in args.chains.split(",") if x)]
     shapes += [(f"tree {spec}", parse_tree(spec)) for spec in args.trees]
     failures: list[str] = []

