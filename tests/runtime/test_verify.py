@@ -205,3 +205,19 @@ def test_greedy_tokens_match_the_low_precision_argmax_including_ties():
     logits[:, 7] = logits[:, 3] = logits.max() + 1  # an exact tie: the first index wins in both
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert (greedy_tokens(logits) == 3).all()
+
+
+def test_sample_draws_each_row_by_its_law_and_refuses_a_broken_one():
+    """`sample` (inverse CDF): rows of a batch each follow their own law, unnormalized or not, and a token of
+    probability 0 (first, inside, last) is never drawn; nan, inf, negative entries and all-zero rows fail."""
+    g = torch.Generator().manual_seed(0)
+    first, inside = random_law(g, zero=0), random_law(g, zero=[2, 5])
+    rows = torch.stack([first, inside * 7.0])  # the second unnormalized
+    draws = torch.stack([sample(rows, g) for _ in range(N)])  # (N, 2)
+    for r, law in enumerate((first, inside)):
+        counts = torch.bincount(draws[:, r], minlength=V).double()
+        assert chi2_p_value(counts, law / law.sum()) > ALPHA
+    assert sample(torch.tensor([0.0, 0.0, 3.0]), g).shape == ()
+    for broken in ([0.5, float("nan")], [0.0, 0.0], [-0.1, 1.1], [float("inf"), 1.0]):
+        with pytest.raises(Exception, match="inf, nan or a negative"):
+            sample(torch.tensor(broken), g)
