@@ -114,6 +114,7 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
 
     from draftsmith.models.heads import distribution_summary
     from draftsmith.runtime.proposers import feed_chains
+    from draftsmith.runtime.sampling import sample
 
     n = len(positions)
     runner.reset()
@@ -124,7 +125,7 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
     def pick(d: int, q: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         top, entropy = distribution_summary(q, top_k)
         greedy = q.argmax(-1)
-        sampled = torch.multinomial(q.float().cpu(), 1, generator=generator)[:, 0].to(q.device)
+        sampled = sample(q.float().cpu(), generator).to(q.device)  # the runtime's draw, on the CPU generator
         per_depth.append({"hidden": hidden.detach().float().cpu(), "top_probs": top.cpu(), "entropy": entropy.cpu(),
                           "token_greedy": greedy.cpu(), "token_sampled": sampled.cpu(),
                           "q_greedy": q.gather(-1, greedy[:, None])[:, 0].cpu(),
