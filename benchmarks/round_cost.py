@@ -153,17 +153,13 @@ GPU_CATEGORIES = {  # substrings of CUDA kernel names → part of a round's GPU 
 }
 
 
-def linears_ms(model, rows: int, repeats: int) -> float:
-    """Milliseconds to run every linear layer of `model` (its decoder's and its head) once on `rows` rows,
-    one after another as in a forward, the way the runtime runs them (packed weights on a CPU): the
-    matrix products of a forward over `rows` tokens without anything else."""
-    from draftsmith.runtime.kernels import PackedLinears
-
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def linears_ms(linears: list[torch.nn.Module], packed, rows: int, repeats: int) -> float:
+    """Milliseconds to run every one of `linears` (a model's linear layers, its decoder's and its head)
+    once on `rows` rows, one after another as in a forward, the way the runtime runs them (`packed`, their
+    PackedLinears: packed weights on a CPU): the matrix products of a forward over `rows` tokens alone."""
     weight = linears[0].weight
     inputs = {n: torch.randn(1, rows, n, dtype=weight.dtype, device=weight.device)
               for n in {m.in_features for m in linears}}
-    packed = PackedLinears(model)
 
     def run():
         with packed:
@@ -387,31 +383,39 @@ def main() -> None:
             print(f"{arm:<10}{name:<16}{n:>9}{draft_ms:>10.2f}{verify_ms:>11.2f}{draft_ms + verify_ms:>10.2f}{ratio:>10.2f}"
                   f"{1.5 * ratio:>12.2f}")
             if name != "autoregressive":
-                key = name.replace(" ", "").replace(",", "_")
+                key = shape_key(name)
                 parts += [f"ratio_{key}{suffix}={ratio:.3f}", f"verify_{key}{suffix}={verify_ms / ar:.3f}"]
     parts += [f"{key}={ms:.2f}" for key, ms in replays.items()]
     parts += floor_keys(target.model, timed, args.repeats)
     print("RESULT " + " ".join(parts))
 
 
+def shape_key(name: str) -> str:
+    """A shape's name as a RESULT key: "tree 4,4,12" → "tree4_4_12"."""
+    return name.replace(" ", "").replace(",", "_")
+
+
 def floor_keys(model, timed: dict, repeats: int) -> list[str]:
     """`floor_<shape>` for every shape the first arm timed: its verification's cost in steps if only its
     matrix products grew with its rows (against that arm's AR step), and the rate of those products."""
+    from draftsmith.runtime.kernels import PackedLinears
+
     if not timed:
         return []
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = PackedLinears(model)  # packs each weight once, at the first timed call
     rows = next(iter(timed.values()))
     ar = rows[0][3]
     counts = sorted({1} | {n + 1 for _, n, _, _ in rows[1:]})  # a verification's rows: the last token, n drafted
     ms = {n: float("inf") for n in counts}
     for _ in range(3):  # interleaved passes, the least median of each: the floor, as little noise in it as may be
         for n in counts:
-            ms[n] = min(ms[n], linears_ms(model, n, repeats))
-    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            ms[n] = min(ms[n], linears_ms(linears, packed, n, repeats))
+    params = sum(m.weight.numel() for m in linears)
     print("matrix products alone, ms: " + ", ".join(f"{n} rows {t:.2f}" for n, t in ms.items()))
     keys = [f"matmul_ms_1row={ms[1]:.2f}"]
     for name, n, _, _ in rows[1:]:
-        key = name.replace(" ", "").replace(",", "_")
-        keys.append(f"floor_{key}={1 + (ms[n + 1] - ms[1]) / ar:.3f}")
+        keys.append(f"floor_{shape_key(name)}={1 + (ms[n + 1] - ms[1]) / ar:.3f}")
     most = counts[-1]
     if most > 1 and ms[most] > ms[1]:
         keys.append(f"matmul_gflops={2 * params * (most - 1) / (ms[most] - ms[1]) / 1e6:.0f}")
