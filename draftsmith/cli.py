@@ -252,6 +252,8 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
 
     from pytorch_lightning.cli import LightningCLI
 
+    from draftsmith.train.trainer import Trainer
+
     # draftsmith's DataModules resume mid-epoch themselves (their state_dict records the batches
     # done; a test shows bit-identical weights), so Lightning's "dataloader is not resumable" is moot
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
@@ -286,7 +288,7 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
             if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
                 logger.init_args.save_dir = trainer.default_root_dir
 
-    return DraftsmithCLI(args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
+    return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
                          auto_configure_optimizers=False)
 

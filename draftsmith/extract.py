@@ -34,7 +34,8 @@ class ExtractConfig:
         limit: use only the first LIMIT kept conversations.
         shard_size: conversations per shard (the unit of resumption).
         batch_tokens: padded tokens per forward batch.
-        dtype: the target's compute dtype (bfloat16 is much faster than float32 on recent CPUs).
+        dtype: the target's compute dtype: bfloat16, float32, or auto (the faster of the two for
+            batched work on this device, measured; a resumed run keeps the type it started with).
         feature_dtype: dtype of the stored features.
         device: cpu, cuda, cuda:1, ...
         devices: processes to extract with (each takes every N-th shard); torchrun works too.
@@ -51,7 +52,7 @@ class ExtractConfig:
     limit: int | None = None
     shard_size: int = 64
     batch_tokens: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     feature_dtype: str = "bfloat16"
     device: str = "cpu"
     devices: int = 1
@@ -152,8 +153,9 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.features import build_manifest, claim_directory, shard_name, write_shard
+    from draftsmith.data.features import build_manifest, claim_directory, recorded, shard_name, write_shard
     from draftsmith.models.target import load_target
+    from draftsmith.precision import resolve_dtype
 
     fabric = _distributed(cfg)
     rank, world = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
@@ -163,7 +165,11 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
 
     convs, source_report = load_conversations(cfg.data, limit=cfg.limit)
     device = str(fabric.device) if fabric else cfg.device
-    target = load_target(cfg.target, dtype=cfg.dtype, device=device, device_map=cfg.device_map,
+    # one type for the whole directory: an interrupted run's, else rank 0's choice
+    dtype = resolve_dtype(cfg.dtype, "auto" if cfg.device_map else device, "bulk", recorded(out, "target_dtype"))
+    if fabric:
+        dtype = fabric.broadcast(dtype)
+    target = load_target(cfg.target, dtype=dtype, device=device, device_map=cfg.device_map,
                          adapter=cfg.adapter, trust_remote_code=cfg.trust_remote_code)
     target.tokenizer.padding_side = "right"
     layer_ids = target.check_layer_ids(cfg.layer_ids)
@@ -174,7 +180,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         "layer_convention": "hf_output_hidden_states",  # id i = output_hidden_states[i]
         "final_feature": "post-norm last hidden state",
         "dtype": cfg.feature_dtype,
-        "target_dtype": cfg.dtype,
+        "target_dtype": dtype,
         "hidden_size": target.hidden_size,
         "data": {"source": cfg.data, "limit": cfg.limit, "num_conversations": len(convs)},
         "max_length": cfg.max_length,

@@ -63,7 +63,8 @@ class LabelsConfig:
         limit: use only the first LIMIT kept conversations.
         max_length: tokens per chat; longer chats are truncated.
         shard_size: conversations per shard (the unit of resumption).
-        dtype: target and drafter compute dtype.
+        dtype: target and drafter compute dtype: bfloat16, float32, or auto (the faster of the two
+            for batched work on this device, measured; a resumed run keeps the type it started with).
         hidden_dtype: dtype of the stored hidden states.
         device: cpu, cuda, ...
         seed: seed of the sampled tokens (each chat's own stream, so shards do not depend on the order).
@@ -81,7 +82,7 @@ class LabelsConfig:
     limit: int | None = None
     max_length: int = 1024
     shard_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     hidden_dtype: str = "bfloat16"
     device: str = "cpu"
     seed: int = 0
@@ -223,15 +224,17 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.features import claim_directory, write_json_atomic
+    from draftsmith.data.features import claim_directory, recorded, write_json_atomic
     from draftsmith.models.loading import drafter_identity, load_proposer
     from draftsmith.models.target import load_target
+    from draftsmith.precision import resolve_dtype
     from draftsmith.runtime.generate import TargetRunner
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
     convs, _ = load_conversations(cfg.data, limit=cfg.limit)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    dtype = resolve_dtype(cfg.dtype, cfg.device, "bulk", recorded(out, "dtype"))  # a resumed run keeps its type
+    target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if type(proposer).__name__ == "NoProposer":
         raise DraftsmithError("--drafter: labels need a drafter export")
@@ -243,7 +246,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
            "drafter_description": description,
            "hidden_size": hidden_size, "k_max": cfg.k_max, "top_k": cfg.top_k, "chain": cfg.chain,
            "max_positions": cfg.max_positions, "data": {"source": cfg.data, "limit": cfg.limit},
-           "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": cfg.dtype,
+           "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": dtype,
            "hidden_dtype": cfg.hidden_dtype, "seed": cfg.seed}
     claim_directory(out, run)
     num_parts = math.ceil(len(convs) / cfg.shard_size)

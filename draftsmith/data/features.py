@@ -56,6 +56,12 @@ def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def recorded(out: Path, key: str) -> Any:
+    """What an earlier run into `out` recorded under `key` in its run record (None: no run there yet)."""
+    path = out / RUN_FILE
+    return json.loads(path.read_text()).get(key) if path.is_file() else None
+
+
 def claim_directory(out: Path, run: dict[str, Any]) -> None:
     """Create `out` for this run, or check that what is already there was made the same way."""
     out.mkdir(parents=True, exist_ok=True)

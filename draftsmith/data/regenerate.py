@@ -39,7 +39,8 @@ class RegenerateConfig:
         top_p: nucleus filtering when sampling.
         batch_size: prompts generated together (grouped by length).
         chunk: conversations finished and appended to OUT together (the unit of resumption).
-        dtype: the target's compute dtype.
+        dtype: the target's compute dtype: bfloat16, float32, or auto (the faster of the two for decoding on
+            this device, measured).
         device: cpu, cuda, ...
         seed: sampling seed.
         trust_remote_code: allow a hub model's own code to run.
@@ -56,7 +57,7 @@ class RegenerateConfig:
     top_p: float | None = None
     batch_size: int = 16
     chunk: int = 64
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     trust_remote_code: bool = False

@@ -49,7 +49,8 @@ class DecodeOptions:
             runtime/graphs.py); a static chain (greedy or sampled) or a tree without a stop policy is drafted
             whole by one graph. Both arms use it. With --compile, the target's norms and MLPs are
             compiled (inductor) and their fused kernels recorded into the graphs.
-        dtype: target and drafter dtype (the same for both arms).
+        dtype: target and drafter dtype (the same for both arms): bfloat16, float32, or auto (the faster
+            of the two for decoding on this device, measured; the report says which ran).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
         seed: sampling seed.
@@ -80,7 +81,7 @@ class DecodeOptions:
     head_vocab: int = 8192
     compile: bool = False
     graphs: bool = False
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     repeats: int = 3
     seed: int = 0
@@ -311,7 +312,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     results = points[0] if not cfg.sweep else {"points": points}
     if rows is not None:
         results["reference_ends"] = {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
-    results["config"] = {**asdict(cfg), "drafter": description, "eos_token_ids": list(eos),
+    results["config"] = {**asdict(cfg), "dtype": str(target.dtype).removeprefix("torch."), "drafter": description,
+                         "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                                     "load_average": [load_before, _load_average()]}

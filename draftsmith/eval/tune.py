@@ -50,7 +50,8 @@ class TuneConfig:
         max_new_tokens: tokens generated per prompt.
         temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`).
         head_vocab: a standalone drafter's ranked head, as for eval.
-        dtype: target and drafter dtype.
+        dtype: target and drafter dtype: bfloat16, float32, or auto (the faster of the two for decoding on
+            this device, measured).
         device: cpu or cuda.
         repeats: timed passes per setting (median); the settings alternate within a pass.
         seed: sampling seed.
@@ -71,7 +72,7 @@ class TuneConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     head_vocab: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     repeats: int = 2
     seed: int = 0
@@ -184,7 +185,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
               "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
                        for t, k in grid],
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
-                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": cfg.dtype,
+                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": str(target.dtype).removeprefix("torch."),
               "threads": torch.get_num_threads()}
     section.setdefault("tuned", {})[mode] = chosen
     update_stop_heads(cfg.drafter, cfg.policy, section)

@@ -243,17 +243,22 @@ def load_target(
     device_map: str | dict | None = None,
     adapter: str | None = None,
     trust_remote_code: bool = False,
+    work: str = "decode",
 ) -> Target:
     """Load a target from an embedded alias, a .gguf file, a local HF directory or a hub id.
 
     `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
     ("auto", "balanced", or a dict) places a large target across devices with accelerate,
-    in which case `device` is ignored.
+    in which case `device` is ignored. `dtype` "auto" is the type that runs `work` ("bulk" or
+    "decode") fastest on `device` (`draftsmith.precision`); `Target.dtype` says which.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.precision import resolve_dtype
+
+    dtype = resolve_dtype(dtype, device, work)
     if dtype not in DTYPES:
-        raise DraftsmithError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise DraftsmithError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
     torch_dtype = DTYPES[dtype]
     source = resolve_source(name)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)

@@ -1,0 +1,121 @@
+"""`--dtype auto` and `precision: auto`: measured, decided by a margin, inherited, and stable on resume."""
+
+import math
+
+import pytest
+
+from draftsmith import precision
+from draftsmith.precision import env_name, resolve_dtype, resolve_precision
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No earlier choice in this process or its environment; `set_speed(x)` fakes bf16's measured speed."""
+    for device in ("cpu", "cuda"):
+        for work in ("bulk", "decode"):
+            monkeypatch.delenv(env_name(device, work), raising=False)
+    precision._choose.cache_clear()
+    calls = []
+
+    def set_speed(speed):
+        def fake(work):
+            calls.append(work)
+            return speed
+        monkeypatch.setattr(precision, "bf16_speed", fake)
+
+    yield set_speed, calls
+    precision._choose.cache_clear()
+    for device in ("cpu", "cuda"):
+        for work in ("bulk", "decode"):
+            monkeypatch.delenv(env_name(device, work), raising=False)
+
+
+@pytest.mark.parametrize("speed, chosen", [(0.5, "float32"), (0.8, "float32"), (0.9, "bfloat16"), (1.0, "bfloat16"),
+                                           (1.6, "bfloat16")])
+def test_auto_takes_float32_only_where_it_is_clearly_faster(fresh, capsys, speed, chosen):
+    set_speed, calls = fresh
+    set_speed(speed)
+    assert resolve_dtype("auto", "cpu", "bulk") == chosen
+    assert resolve_dtype("auto", "cpu", "bulk") == chosen and calls == ["bulk"]  # measured once per process
+    assert f"dtype auto: {chosen} for training and extraction" in capsys.readouterr().err
+
+
+def test_bulk_and_decoding_work_are_decided_apart(fresh):
+    set_speed, calls = fresh
+    set_speed(0.6)
+    assert resolve_dtype("auto", "cpu", "bulk") == "float32"
+    set_speed(1.5)
+    assert resolve_dtype("auto", "cpu", "decode") == "bfloat16"
+    assert calls == ["bulk", "decode"]
+
+
+def test_explicit_and_recorded_types_are_kept_without_measuring(fresh):
+    set_speed, calls = fresh
+    set_speed(0.1)
+    assert resolve_dtype("bfloat16", "cpu", "bulk") == "bfloat16"
+    assert resolve_dtype("auto", "cpu", "bulk", recorded="bfloat16") == "bfloat16"
+    assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed"
+    assert calls == []
+
+
+def test_a_choice_reaches_the_processes_started_after_it(fresh, monkeypatch):
+    set_speed, calls = fresh
+    set_speed(0.5)
+    assert resolve_dtype("auto", "cpu", "bulk") == "float32"
+    import os
+
+    assert os.environ[env_name("cpu", "bulk")] == "float32"  # what a DDP rank or extraction worker inherits
+    precision._choose.cache_clear()  # a new process: it takes the inherited choice without measuring
+    set_speed(5.0)
+    assert resolve_dtype("auto", "cpu", "bulk") == "float32" and calls == ["bulk"]
+
+
+def test_trainer_precision_auto(fresh):
+    from draftsmith.train.trainer import Trainer
+
+    set_speed, _ = fresh
+    set_speed(0.5)
+    kw = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert Trainer(precision="auto", **kw).precision == "32-true"
+    precision._choose.cache_clear()
+    import os
+
+    del os.environ[env_name("cpu", "bulk")]
+    set_speed(2.0)
+    assert Trainer(precision="auto", **kw).precision == "bf16-mixed"
+    assert Trainer(precision="bf16-mixed", **kw).precision == "bf16-mixed"
+
+
+def test_recipes_accept_auto(tmp_path, fresh):
+    from draftsmith.cli import lightning_cli
+
+    set_speed, _ = fresh
+    set_speed(0.5)
+    cli = lightning_cli(["--config", "recipes/smollm2-135m/standalone-cpu.yaml", "--trainer.default_root_dir",
+                         str(tmp_path)], run=False)
+    assert cli.trainer.precision == "32-true"
+
+
+def test_bf16_speed_is_measured_for_both_kinds_of_work():
+    for work in ("bulk", "decode"):
+        speed = precision.bf16_speed(work)
+        assert math.isfinite(speed) and speed > 0
+
+
+def test_a_resumed_extraction_keeps_its_type(fresh, tiny_target_dir, chats_file, tmp_path):
+    from draftsmith.data.features import recorded
+    from draftsmith.extract import ExtractConfig, extract
+
+    set_speed, _ = fresh
+    base = dict(target=str(tiny_target_dir), data=str(chats_file), out=str(tmp_path / "f"), max_length=256,
+                shard_size=8, batch_tokens=512, feature_dtype="float32", layer_ids=[1])
+    set_speed(0.5)
+    first = extract(ExtractConfig(**base, dtype="auto", limit=8))  # one shard, float32 chosen
+    assert recorded(tmp_path / "f", "target_dtype") == "float32" and first["num_records"] > 0
+    precision._choose.cache_clear()
+    import os
+
+    del os.environ[env_name("cpu", "bulk")]
+    set_speed(2.0)  # another day, bf16 would win: the directory keeps float32, and is not refused
+    extract(ExtractConfig(**base, dtype="auto", limit=8))
+    assert recorded(tmp_path / "f", "target_dtype") == "float32"
