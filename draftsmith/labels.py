@@ -63,8 +63,8 @@ class LabelsConfig:
         limit: use only the first LIMIT kept conversations.
         max_length: tokens per chat; longer chats are truncated.
         shard_size: conversations per shard (the unit of resumption).
-        dtype: target and drafter compute dtype: bfloat16, float32, or auto (the faster of the two
-            for batched work on this device, measured; a resumed run keeps the type it started with).
+        dtype: target and drafter compute dtype: bfloat16, float32, or auto (the type `eval` takes on
+            this device, so that the labels are decoding's; a resumed run keeps the type it started with).
         hidden_dtype: dtype of the stored hidden states.
         device: cpu, cuda, ...
         seed: seed of the sampled tokens (each chat's own stream, so shards do not depend on the order).
@@ -233,7 +233,8 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     out = Path(cfg.out)
     convs, _ = load_conversations(cfg.data, limit=cfg.limit)
-    dtype = resolve_dtype(cfg.dtype, cfg.device, "bulk", recorded(out, "dtype"))  # a resumed run keeps its type
+    # labels stand for decoding's decisions, so they take the type decoding takes here; a resumed run keeps its own
+    dtype = resolve_dtype(cfg.dtype, cfg.device, "decode", recorded(out, "dtype"))
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if type(proposer).__name__ == "NoProposer":

@@ -12,10 +12,10 @@ times the same products in both types and takes bf16 unless float32 is clearly f
 
 Two kinds of work, timed differently:
 
-- `bulk` (extraction, training, label extraction): hundreds of rows through each weight, so the
-  arithmetic decides. Timed: one 512-row product.
-- `decode` (eval, tune, regenerate): one to a few dozen rows through every weight of the model,
-  so reading the weights decides. Timed: a 1-row and an 8-row product through ~85 MB of weights
+- `bulk` (extraction, training): hundreds of rows through each weight, so the arithmetic decides.
+  Timed: one 512-row product.
+- `decode` (eval, tune, regenerate, and label extraction, whose labels stand for decoding's
+  decisions): one to a few dozen rows through every weight of the model, so reading the weights decides. Timed: a 1-row and an 8-row product through ~85 MB of weights
   (more than a core's cache), on the prepacked weights the runtime decodes with.
 
 On a GPU `auto` is bf16 where the GPU supports it, else float32; elsewhere bf16. A choice is

@@ -15,6 +15,7 @@ from draftsmith.eval.tune import roc_threshold
 from draftsmith.export import export
 from draftsmith.labels import LabelsConfig, labels, read_labels
 from tests.conftest import killed_after_writes, run_cli, sample_chats
+from tests.test_precision import fresh  # noqa: F401  (fixture)
 from tests.test_export import eagle3_ckpt, eagle_ckpt, train  # noqa: F401  (fixtures)
 from tests.train.test_fit import tiny_features  # noqa: F401
 
@@ -191,3 +192,12 @@ def test_the_confidence_threshold_by_transformers_roc_rule(labelled, drafter_exp
     # missing an acceptance costs 3 false alarms: with one positive below two negatives, the cut goes below it
     threshold, at = roc_threshold(torch.tensor([0.1, 0.3, 0.4, 0.2, 0.9]), torch.tensor([0, 0, 0, 1, 1]))
     assert threshold == pytest.approx(0.2) and at["fpr"] == pytest.approx(2 / 3)
+
+
+def test_labels_take_the_type_decoding_takes(tiny_features, drafter_export, chats, tmp_path, fresh):
+    set_speed, calls = fresh
+    set_speed({"bulk": 0.5, "decode": 2.0})  # float32 would train faster, bf16 decodes faster: labels are decoding's
+    labels(LabelsConfig(target=str(tiny_features / "target"), drafter=str(drafter_export), data=str(chats),
+                        out=str(tmp_path / "l"), limit=8, k_max=2, top_k=6, shard_size=8, max_positions=8,
+                        hidden_dtype="float32"))
+    assert json.loads((tmp_path / "l" / "run.json").read_text())["dtype"] == "bfloat16" and calls == ["decode"]

@@ -18,9 +18,10 @@ def fresh(monkeypatch):
     calls = []
 
     def set_speed(speed):
+        """bf16's speed for every kind of work, or a dict by kind."""
         def fake(work):
             calls.append(work)
-            return speed
+            return speed[work] if isinstance(speed, dict) else speed
         monkeypatch.setattr(precision, "bf16_speed", fake)
 
     yield set_speed, calls
