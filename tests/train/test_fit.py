@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -156,6 +157,18 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tiny_fea
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
     assert any(not torch.allclose(start[k], b[k]) for k in b)  # it trained
+
+
+@pytest.mark.slow
+def test_ddp_ranks_take_the_auto_precision_rank_0_chose(tiny_features, tmp_path):
+    """`precision: auto` is measured once, in the launching process; the rank it starts inherits the choice."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTSMITH_DTYPE_")}
+    result = subprocess.run([sys.executable, "-m", "draftsmith.cli", "fit", "--config", str(recipe(tiny_features, tmp_path)),
+                             "--trainer.max_steps", "1", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                             "--trainer.precision", "auto", "--trainer.val_check_interval", "null",
+                             "--trainer.limit_val_batches", "0"], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("dtype auto:") == 1, result.stderr[-3000:]
 
 
 def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp_path):
