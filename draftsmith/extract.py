@@ -157,16 +157,17 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.models.target import load_target
     from draftsmith.precision import resolve_dtype
 
+    out = Path(cfg.out)
+    # one type for the whole directory: an interrupted run's, else the one chosen here, before the workers
+    # start (they inherit it), and rank 0's where they were started apart (torchrun)
+    dtype = resolve_dtype(cfg.dtype, "auto" if cfg.device_map else cfg.device, "bulk", recorded(out, "target_dtype"))
     fabric = _distributed(cfg)
     rank, world = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
     barrier = fabric.barrier if fabric else (lambda: None)
     console = console or Console(stderr=True)
-    out = Path(cfg.out)
 
     convs, source_report = load_conversations(cfg.data, limit=cfg.limit)
     device = str(fabric.device) if fabric else cfg.device
-    # one type for the whole directory: an interrupted run's, else rank 0's choice
-    dtype = resolve_dtype(cfg.dtype, "auto" if cfg.device_map else device, "bulk", recorded(out, "target_dtype"))
     if fabric:
         dtype = fabric.broadcast(dtype)
     target = load_target(cfg.target, dtype=dtype, device=device, device_map=cfg.device_map,

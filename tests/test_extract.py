@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -102,6 +103,18 @@ def test_two_processes_extract_disjoint_parts_of_the_same_output(tiny_target_dir
     assert (m2["num_records"], m2["num_tokens"]) == (m1["num_records"], m1["num_tokens"])
     assert_same_shards(tmp_path / "two", tmp_path / "one")
     assert "2 process(es)" in two.stdout
+
+
+def test_two_processes_take_one_auto_type(tiny_target_dir, chats_file, tmp_path):
+    """`--dtype auto` is measured once, before the second worker starts (it inherits the choice)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTSMITH_DTYPE_")}
+    two = subprocess.run([sys.executable, "-m", "draftsmith.cli", "extract", "--target", str(tiny_target_dir), "--data",
+                          str(chats_file), "--max_length", "256", "--shard_size", "8", "--batch_tokens", "512",
+                          "--limit", "16", "--dtype", "auto", "--out", str(tmp_path / "two"), "--devices", "2"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr
+    assert two.stderr.count("dtype auto:") == 1, two.stderr
+    assert read_manifest(tmp_path / "two")["target_dtype"] in ("bfloat16", "float32")
 
 
 def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
