@@ -50,7 +50,7 @@ class DecodeOptions:
             whole by one graph. Both arms use it. With --compile, the target's norms and MLPs are
             compiled (inductor) and their fused kernels recorded into the graphs.
         dtype: target and drafter dtype (the same for both arms): bfloat16, float32, or auto (the faster
-            of the two for decoding on this device, measured; the report says which ran).
+            of the two for decoding on this device, measured; results.json records which ran).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
         seed: sampling seed.
