@@ -15,8 +15,9 @@ Two kinds of work, timed differently:
 - `bulk` (extraction, training): hundreds of rows through each weight, so the arithmetic decides.
   Timed: one 512-row product.
 - `decode` (eval, tune, regenerate, and label extraction, whose labels stand for decoding's
-  decisions): one to a few dozen rows through every weight of the model, so reading the weights decides. Timed: a 1-row and an 8-row product through ~85 MB of weights
-  (more than a core's cache), on the prepacked weights the runtime decodes with.
+  decisions): one to a few dozen rows through every weight of the model, so reading the weights
+  decides. Timed: a 1-row and an 8-row product through ~85 MB of weights (more than a core's
+  cache), on the prepacked weights the runtime decodes with.
 
 On a GPU `auto` is bf16 where the GPU supports it, else float32; elsewhere bf16. A choice is
 printed, and handed to the processes this one starts (Lightning's DDP ranks, `extract --devices`)
