@@ -137,18 +137,18 @@ def _decode_run(weights: list[Any]) -> Any:
 
 
 def _time(run: Any, against: float | None = None, repeats: int = 3) -> float:
-    """The fastest of `repeats` timed calls after one warm-up; a warm-up `GIVE_UP` times slower than
-    `against` is returned at once (a type the CPU has no fast kernels for can take seconds a call)."""
+    """The fastest of `repeats` timed calls after an untimed one (the first call of a kernel also
+    generates it); a call `GIVE_UP` times slower than `against` ends the timing (a type the CPU has
+    no fast kernels for can take a second a call)."""
     import torch
 
     with torch.no_grad():
-        start = time.perf_counter()
         run()
-        best = time.perf_counter() - start
-        if against is not None and best > GIVE_UP * against:
-            return best
+        best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
             run()
             best = min(best, time.perf_counter() - start)
+            if against is not None and best > GIVE_UP * against:
+                break
     return best
