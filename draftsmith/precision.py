@@ -35,10 +35,11 @@ from typing import Any, Literal
 Work = Literal["bulk", "decode"]
 
 FLOAT32_MARGIN = 1.15  # float32 must run this many times faster than bf16 to be chosen
-BULK_SHAPE = (512, 576, 1536)  # rows, inputs, outputs: one MLP projection of a 512-token batch of SmolLM2
+WEIGHT_SHAPE = (1536, 576)  # outputs, inputs: one MLP projection of SmolLM2
+BULK_ROWS = 512  # a 512-token batch through it
 DECODE_ROWS = (1, 8)
-DECODE_WEIGHTS = 48  # weights of (1536, 576): 85 MB in bf16
-GIVE_UP = 4.0  # a first bf16 pass this many times slower than float32's settles it without more timing
+DECODE_WEIGHTS = 48  # that many weights: 85 MB in bf16
+GIVE_UP = 4.0  # a timed bf16 call this many times slower than float32's settles it without more timing
 
 
 def device_type(device: Any) -> str:
@@ -105,12 +106,11 @@ def bf16_speed(work: Work) -> float:
 
     generator = torch.Generator().manual_seed(0)
     if work == "bulk":
-        rows, inputs, outputs = BULK_SHAPE
-        x = torch.randn(rows, inputs, generator=generator)
-        w = torch.randn(outputs, inputs, generator=generator)
+        x = torch.randn(BULK_ROWS, WEIGHT_SHAPE[1], generator=generator)
+        w = torch.randn(*WEIGHT_SHAPE, generator=generator)
         runs = {dtype: _bulk_run(x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
     else:
-        w = [torch.randn(1536, 576, generator=generator) for _ in range(DECODE_WEIGHTS)]
+        w = [torch.randn(*WEIGHT_SHAPE, generator=generator) for _ in range(DECODE_WEIGHTS)]
         runs = {dtype: _decode_run([m.to(dtype) for m in w]) for dtype in (torch.float32, torch.bfloat16)}
     float32 = _time(runs[torch.float32])
     return float32 / _time(runs[torch.bfloat16], against=float32)

@@ -1,6 +1,7 @@
 """`--dtype auto` and `precision: auto`: measured, decided by a margin, inherited, and stable on resume."""
 
 import math
+import os
 
 import pytest
 
@@ -8,13 +9,18 @@ from draftsmith import precision
 from draftsmith.precision import env_name, resolve_dtype, resolve_precision
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """No earlier choice in this process or its environment; `set_speed(x)` fakes bf16's measured speed."""
+def forget_choices(monkeypatch):
+    """As in a fresh process started without an inherited choice: nothing measured, nothing in the environment."""
+    precision._choose.cache_clear()
     for device in ("cpu", "cuda"):
         for work in ("bulk", "decode"):
             monkeypatch.delenv(env_name(device, work), raising=False)
-    precision._choose.cache_clear()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No earlier choice in this process or its environment; `set_speed(x)` fakes bf16's measured speed."""
+    forget_choices(monkeypatch)
     calls = []
 
     def set_speed(speed):
@@ -25,10 +31,7 @@ def fresh(monkeypatch):
         monkeypatch.setattr(precision, "bf16_speed", fake)
 
     yield set_speed, calls
-    precision._choose.cache_clear()
-    for device in ("cpu", "cuda"):
-        for work in ("bulk", "decode"):
-            monkeypatch.delenv(env_name(device, work), raising=False)
+    forget_choices(monkeypatch)
 
 
 @pytest.mark.parametrize("speed, chosen", [(0.5, "float32"), (0.8, "float32"), (0.9, "bfloat16"), (1.0, "bfloat16"),
@@ -63,25 +66,20 @@ def test_a_choice_reaches_the_processes_started_after_it(fresh, monkeypatch):
     set_speed, calls = fresh
     set_speed(0.5)
     assert resolve_dtype("auto", "cpu", "bulk") == "float32"
-    import os
-
     assert os.environ[env_name("cpu", "bulk")] == "float32"  # what a DDP rank or extraction worker inherits
     precision._choose.cache_clear()  # a new process: it takes the inherited choice without measuring
     set_speed(5.0)
     assert resolve_dtype("auto", "cpu", "bulk") == "float32" and calls == ["bulk"]
 
 
-def test_trainer_precision_auto(fresh):
+def test_trainer_precision_auto(fresh, monkeypatch):
     from draftsmith.train.trainer import Trainer
 
     set_speed, _ = fresh
     set_speed(0.5)
     kw = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert Trainer(precision="auto", **kw).precision == "32-true"
-    precision._choose.cache_clear()
-    import os
-
-    del os.environ[env_name("cpu", "bulk")]
+    forget_choices(monkeypatch)
     set_speed(2.0)
     assert Trainer(precision="auto", **kw).precision == "bf16-mixed"
     assert Trainer(precision="bf16-mixed", **kw).precision == "bf16-mixed"
@@ -103,7 +101,7 @@ def test_bf16_speed_is_measured_for_both_kinds_of_work():
         assert math.isfinite(speed) and speed > 0
 
 
-def test_a_resumed_extraction_keeps_its_type(fresh, tiny_target_dir, chats_file, tmp_path):
+def test_a_resumed_extraction_keeps_its_type(fresh, monkeypatch, tiny_target_dir, chats_file, tmp_path):
     from draftsmith.data.features import recorded
     from draftsmith.extract import ExtractConfig, extract
 
@@ -113,10 +111,7 @@ def test_a_resumed_extraction_keeps_its_type(fresh, tiny_target_dir, chats_file,
     set_speed(0.5)
     first = extract(ExtractConfig(**base, dtype="auto", limit=8))  # one shard, float32 chosen
     assert recorded(tmp_path / "f", "target_dtype") == "float32" and first["num_records"] > 0
-    precision._choose.cache_clear()
-    import os
-
-    del os.environ[env_name("cpu", "bulk")]
+    forget_choices(monkeypatch)
     set_speed(2.0)  # another day, bf16 would win: the directory keeps float32, and is not refused
     extract(ExtractConfig(**base, dtype="auto", limit=8))
     assert recorded(tmp_path / "f", "target_dtype") == "float32"

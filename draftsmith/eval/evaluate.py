@@ -312,7 +312,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     results = points[0] if not cfg.sweep else {"points": points}
     if rows is not None:
         results["reference_ends"] = {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
-    results["config"] = {**asdict(cfg), "dtype": str(target.dtype).removeprefix("torch."), "drafter": description,
+    results["config"] = {**asdict(cfg), "dtype": target.dtype_name, "drafter": description,
                          "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),

@@ -185,7 +185,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
               "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
                        for t, k in grid],
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
-                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": str(target.dtype).removeprefix("torch."),
+                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": target.dtype_name,
               "threads": torch.get_num_threads()}
     section.setdefault("tuned", {})[mode] = chosen
     update_stop_heads(cfg.drafter, cfg.policy, section)

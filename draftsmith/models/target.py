@@ -127,6 +127,11 @@ class Target:
         return self.model.get_input_embeddings().weight.dtype
 
     @property
+    def dtype_name(self) -> str:
+        """The compute type as `--dtype` names it ("bfloat16", "float32", ...): what a run records."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def embed_tokens(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 
@@ -243,20 +248,19 @@ def load_target(
     device_map: str | dict | None = None,
     adapter: str | None = None,
     trust_remote_code: bool = False,
-    work: str = "decode",
 ) -> Target:
     """Load a target from an embedded alias, a .gguf file, a local HF directory or a hub id.
 
     `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
     ("auto", "balanced", or a dict) places a large target across devices with accelerate,
-    in which case `device` is ignored. `dtype` "auto" is the type that runs `work` ("bulk" or
-    "decode") fastest on `device` (`draftsmith.precision`); `Target.dtype` says which.
+    in which case `device` is ignored. `dtype` "auto" is the type that decodes fastest on `device`
+    (`draftsmith.precision`; batched work resolves its own first); `Target.dtype` says which.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.precision import resolve_dtype
 
-    dtype = resolve_dtype(dtype, device, work)
+    dtype = resolve_dtype(dtype, device, "decode")
     if dtype not in DTYPES:
         raise DraftsmithError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
     torch_dtype = DTYPES[dtype]
