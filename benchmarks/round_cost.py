@@ -23,7 +23,8 @@ Every run also times the target's matrix products alone (all its linear layers, 
 runs them) at one row and at each shape's row count, and prints `floor_<shape>` = 1 + (their extra time
 over one row) / AR step: the verification's cost in steps if nothing but its matrix products grew with
 its rows. Where that is above a target, no change to the rest of the runtime can meet it on that machine:
-the products are compute-bound there (`matmul_gflops`, the rate of the largest shape's extra rows).
+the products are compute-bound there (`matmul_gflops`, the rate of the largest shape's extra rows,
+printed where they cost at least 10 % more than one row).
 
 `--temperature T` drafts the chains by sampling at T (a chain's drafting then includes its draws; on a
 GPU the graphs arm records each sampled chain whole). `--arms runtime,graphs` (say) times only the arms named, of those the other flags ask for.
@@ -417,7 +418,7 @@ def floor_keys(model, timed: dict, repeats: int) -> list[str]:
     for name, n, _, _ in rows[1:]:
         keys.append(f"floor_{shape_key(name)}={1 + (ms[n + 1] - ms[1]) / ar:.3f}")
     most = counts[-1]
-    if most > 1 and ms[most] > ms[1]:
+    if most > 1 and ms[most] > 1.1 * ms[1]:  # a rate only where the extra rows cost measurably (not on a GPU)
         keys.append(f"matmul_gflops={2 * params * (most - 1) / (ms[most] - ms[1]) / 1e6:.0f}")
     return keys
 
