@@ -28,13 +28,27 @@ class TokenizedChat:
     loss_mask: list[int]  # 1 where the token belongs to an assistant reply
 
 
+def _tokenizer_fields(tokenizer: Any) -> dict[str, bytes]:
+    """What a tokenizer's identity is made of, serialized: vocabulary, special tokens, chat template."""
+    return {
+        "vocabulary": json.dumps(sorted(tokenizer.get_vocab().items())).encode(),
+        "special_tokens": json.dumps(sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())).encode(),
+        "chat_template": json.dumps(tokenizer.chat_template).encode(),  # a str, a dict of named templates, or None
+    }
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     """Identity of a tokenizer: vocabulary, special tokens and chat template (sha256, 16 hex)."""
     h = hashlib.sha256()
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps(sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
-    h.update(json.dumps(tokenizer.chat_template).encode())  # a str, a dict of named templates, or None
+    for part in _tokenizer_fields(tokenizer).values():
+        h.update(part)
     return h.hexdigest()[:16]
+
+
+def tokenizer_parts(tokenizer: Any) -> dict[str, str]:
+    """A hash of each part of `tokenizer_hash` (12 hex), recorded beside it so that a mismatch can say
+    which part differs."""
+    return {name: hashlib.sha256(part).hexdigest()[:12] for name, part in _tokenizer_fields(tokenizer).items()}
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:

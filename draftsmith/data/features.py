@@ -49,9 +49,10 @@ def comparable_run(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    from draftsmith.models.target import identity_differences
+
     a, b = comparable_run(mine), comparable_run(theirs)
-    diffs = [f"target.{k}: {b['target'].get(k)!r} there, {a['target'][k]!r} here"
-             for k in a["target"] if a["target"][k] != b["target"].get(k)]
+    diffs = [f"target.{d}" for d in identity_differences(b["target"], a["target"], ignore=())]
     diffs += [f"{k}: {b.get(k)!r} there, {a[k]!r} here" for k in a if k != "target" and a[k] != b.get(k)]
     return diffs
 

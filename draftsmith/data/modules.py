@@ -185,8 +185,9 @@ class FeatureDataModule(_LengthBatched):
     def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
         """Refuse features from another target; load the aux layers the drafter fuses."""
         manifest = self.reader.manifest
-        diffs = [f"{k}: {manifest['target'].get(k)!r} in the features, {v!r} for the drafter"
-                 for k, v in identity.items() if k not in ("name", "adapter") and manifest["target"].get(k) != v]
+        from draftsmith.models.target import identity_differences
+
+        diffs = identity_differences(manifest["target"], identity, "in the features", "for the drafter")
         if diffs:
             raise DraftsmithError(
                 f"features in {self.features_dir} come from another target ({'; '.join(diffs)}); "

@@ -15,14 +15,14 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import tokenizer_hash
+from draftsmith.data.chat import tokenizer_hash, tokenizer_parts
 from draftsmith.models.common import quiet_peft
 
 EMBEDDED_TARGETS = {
@@ -72,7 +72,9 @@ class capture_hidden_states:
 
 @dataclass(frozen=True)
 class TargetIdentity:
-    """What shards and checkpoints record; two targets match when all but `name` match."""
+    """What shards and checkpoints record; two targets match when all but `name` (and `adapter`, the path
+    an adapter was loaded from) match. `tokenizer_parts` is not compared: it says which part of the
+    tokenizer a differing `tokenizer_hash` comes from."""
 
     name: str
     architecture: str
@@ -82,18 +84,32 @@ class TargetIdentity:
     tokenizer_hash: str
     weights_fingerprint: str
     adapter: str | None = None
+    tokenizer_parts: dict[str, str] | None = field(default=None, hash=False)  # explains a tokenizer_hash mismatch
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def differences(self, other: dict[str, Any]) -> list[str]:
         """Human-readable differences from another identity dict (`name` is informational)."""
-        mine = self.as_dict()
-        return [
-            f"{key}: {other.get(key)!r} there, {mine[key]!r} here"
-            for key in mine
-            if key not in ("name", "adapter") and other.get(key) != mine[key]
-        ]
+        return identity_differences(other, self.as_dict())
+
+
+def identity_differences(theirs: dict[str, Any], mine: dict[str, Any], there: str = "there", here: str = "here",
+                         ignore: tuple[str, ...] = ("name", "adapter")) -> list[str]:
+    """Human-readable differences between two identity dicts, `mine` the target in hand. A tokenizer
+    mismatch names the parts that differ where both sides recorded them (identities written before
+    `tokenizer_parts` existed have none)."""
+    diffs = []
+    for key, value in mine.items():
+        if key in ignore or key == "tokenizer_parts" or theirs.get(key) == value:
+            continue
+        line = f"{key}: {theirs.get(key)!r} {there}, {value!r} {here}"
+        a, b = theirs.get("tokenizer_parts"), mine.get("tokenizer_parts")
+        if key == "tokenizer_hash" and a and b:
+            parts = [part for part in b if a.get(part) != b[part]]
+            line += f" (differing: {', '.join(parts)})" if parts else " (its recorded parts are equal)"
+        diffs.append(line)
+    return diffs
 
 
 class Target:
@@ -116,6 +132,7 @@ class Target:
             tokenizer_hash=tokenizer_hash(tokenizer),
             weights_fingerprint=weights_fingerprint(model),
             adapter=adapter,
+            tokenizer_parts=tokenizer_parts(tokenizer),
         )
 
     @property

@@ -27,8 +27,9 @@ def check_identity(saved: dict[str, Any] | None, current: dict[str, Any]) -> Non
     """Refuse a checkpoint trained for another target (its name and adapter path may differ)."""
     if saved is None:
         return
-    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in current.items()
-             if k not in ("name", "adapter") and saved.get(k) != v]
+    from draftsmith.models.target import identity_differences
+
+    diffs = identity_differences(saved, current, "in the checkpoint", "now")
     if diffs:
         raise DraftsmithError(f"checkpoint was trained for another target ({'; '.join(diffs)}); "
                               "use the target it was trained for")

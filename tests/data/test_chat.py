@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash
+from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash, tokenizer_parts
 from draftsmith.data.conversations import Conversation
 from tests.conftest import CHATML, LLAMA2, LLAMA3, make_tokenizer
 
@@ -85,3 +85,38 @@ def test_template_rewriting_history_is_reported_not_guessed():
 def test_tokenizer_hash_tracks_template_and_vocab():
     assert tokenizer_hash(make_tokenizer(CHATML)) == tokenizer_hash(make_tokenizer(CHATML))
     assert tokenizer_hash(make_tokenizer(CHATML)) != tokenizer_hash(make_tokenizer(LLAMA3))
+
+
+def test_tokenizer_hash_is_the_one_exports_recorded():
+    """The hash is still sha256 over vocabulary, special tokens and template in that order: exports and
+    features made before its parts were recorded keep matching."""
+    import hashlib
+    import json
+
+    tok = make_tokenizer(CHATML)
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
+    h.update(json.dumps(sorted((str(k), str(v)) for k, v in tok.special_tokens_map.items())).encode())
+    h.update(json.dumps(tok.chat_template).encode())
+    assert tokenizer_hash(tok) == h.hexdigest()[:16]
+
+
+def test_a_tokenizer_mismatch_names_the_part_that_differs():
+    """Where both identities recorded the parts, the tokenizer_hash line names the differing part; an
+    identity recorded without them compares by the hash alone; the parts are never compared themselves."""
+    from draftsmith.models.target import identity_differences
+
+    def identity(template):
+        tok = make_tokenizer(template)
+        return {"name": "t", "hidden_size": 8, "tokenizer_hash": tokenizer_hash(tok), "tokenizer_parts": tokenizer_parts(tok)}
+
+    chatml, llama3 = identity(CHATML), identity(LLAMA3)
+    assert chatml["tokenizer_parts"]["vocabulary"] == llama3["tokenizer_parts"]["vocabulary"]
+    [line] = identity_differences(chatml, llama3, "in the export", "here")
+    assert line.startswith(f"tokenizer_hash: {chatml['tokenizer_hash']!r} in the export, ") and line.endswith("(differing: chat_template)")
+    before_parts = {k: v for k, v in chatml.items() if k != "tokenizer_parts"}
+    [line] = identity_differences(before_parts, llama3)
+    assert "differing" not in line
+    assert identity_differences(before_parts, chatml) == [] and identity_differences(chatml, before_parts) == []
+    assert identity_differences({**chatml, "name": "u"}, chatml) == []
+    assert identity_differences({**chatml, "hidden_size": 16}, chatml) == ["hidden_size: 16 there, 8 here"]
