@@ -16,20 +16,20 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 out="${OUT:-/tmp/gpu-round-cost}"
 mkdir -p "$out"
-rc="python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 --graphs"
+round_cost="python3 benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 --graphs"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/nvidia-smi.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/runtime/test_graphs.py -k "cuda or refuses" 2>&1 \
   | tail -15 | tee "$out/pytest.txt"
 if [ "${FULL:-0}" = 1 ]; then
   for context in 400 2000; do
-    timeout 300 $rc --unfolded --compile-blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \
+    timeout 300 $round_cost --unfolded --compile-blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \
       --context "$context" 2>&1 | tee "$out/round_cost_8b_ctx$context.txt"
   done
 else
-  timeout 200 $rc --compile-blocks --arms graphs,blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \
+  timeout 200 $round_cost --compile-blocks --arms graphs,blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \
     2>&1 | tee "$out/round_cost_8b_ctx400.txt"
 fi
-timeout 120 $rc --arms runtime,graphs --chains 3,4 --trees --temperature 1 --repeats 30 2>&1 | tee "$out/round_cost_8b_t1.txt"
-timeout 100 $rc --compile-blocks --arms graphs,blocks --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 \
+timeout 120 $round_cost --arms runtime,graphs --chains 3,4 --trees --temperature 1 --repeats 30 2>&1 | tee "$out/round_cost_8b_t1.txt"
+timeout 100 $round_cost --compile-blocks --arms graphs,blocks --chains 3 --trees 6,10,60 --repeats 10 --profile 2>&1 \
   | tee "$out/round_cost_8b_profile.txt"

@@ -37,18 +37,19 @@ def _tokenizer_fields(tokenizer: Any) -> dict[str, bytes]:
     }
 
 
+def tokenizer_identity(tokenizer: Any) -> tuple[str, dict[str, str]]:
+    """`tokenizer_hash` and a hash of each of its parts (12 hex), from one serialization: the parts are
+    recorded beside the hash so that a mismatch can say which part differs."""
+    fields = _tokenizer_fields(tokenizer)
+    h = hashlib.sha256()
+    for part in fields.values():
+        h.update(part)
+    return h.hexdigest()[:16], {name: hashlib.sha256(part).hexdigest()[:12] for name, part in fields.items()}
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     """Identity of a tokenizer: vocabulary, special tokens and chat template (sha256, 16 hex)."""
-    h = hashlib.sha256()
-    for part in _tokenizer_fields(tokenizer).values():
-        h.update(part)
-    return h.hexdigest()[:16]
-
-
-def tokenizer_parts(tokenizer: Any) -> dict[str, str]:
-    """A hash of each part of `tokenizer_hash` (12 hex), recorded beside it so that a mismatch can say
-    which part differs."""
-    return {name: hashlib.sha256(part).hexdigest()[:12] for name, part in _tokenizer_fields(tokenizer).items()}
+    return tokenizer_identity(tokenizer)[0]
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:

@@ -184,9 +184,9 @@ class FeatureDataModule(_LengthBatched):
 
     def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
         """Refuse features from another target; load the aux layers the drafter fuses."""
-        manifest = self.reader.manifest
         from draftsmith.models.target import identity_differences
 
+        manifest = self.reader.manifest
         diffs = identity_differences(manifest["target"], identity, "in the features", "for the drafter")
         if diffs:
             raise DraftsmithError(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import tokenizer_hash, tokenizer_parts
+from draftsmith.data.chat import tokenizer_identity
 from draftsmith.models.common import quiet_peft
 
 EMBEDDED_TARGETS = {
@@ -100,11 +100,11 @@ def identity_differences(theirs: dict[str, Any], mine: dict[str, Any], there: st
     mismatch names the parts that differ where both sides recorded them (identities written before
     `tokenizer_parts` existed have none)."""
     diffs = []
+    a, b = theirs.get("tokenizer_parts"), mine.get("tokenizer_parts")
     for key, value in mine.items():
         if key in ignore or key == "tokenizer_parts" or theirs.get(key) == value:
             continue
         line = f"{key}: {theirs.get(key)!r} {there}, {value!r} {here}"
-        a, b = theirs.get("tokenizer_parts"), mine.get("tokenizer_parts")
         if key == "tokenizer_hash" and a and b:
             parts = [part for part in b if a.get(part) != b[part]]
             line += f" (differing: {', '.join(parts)})" if parts else " (its recorded parts are equal)"
@@ -123,16 +123,17 @@ class Target:
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
+        tokenizer_hash, tokenizer_parts = tokenizer_identity(tokenizer)
         self.identity = TargetIdentity(
             name=name,
             architecture=(self.config.architectures or [type(model).__name__])[0],
             hidden_size=self.hidden_size,
             vocab_size=self.vocab_size,
             num_layers=self.num_layers,
-            tokenizer_hash=tokenizer_hash(tokenizer),
+            tokenizer_hash=tokenizer_hash,
             weights_fingerprint=weights_fingerprint(model),
             adapter=adapter,
-            tokenizer_parts=tokenizer_parts(tokenizer),
+            tokenizer_parts=tokenizer_parts,
         )
 
     @property

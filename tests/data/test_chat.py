@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash, tokenizer_parts
+from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash, tokenizer_identity
 from draftsmith.data.conversations import Conversation
 from tests.conftest import CHATML, LLAMA2, LLAMA3, make_tokenizer
 
@@ -107,8 +107,8 @@ def test_a_tokenizer_mismatch_names_the_part_that_differs():
     from draftsmith.models.target import identity_differences
 
     def identity(template):
-        tok = make_tokenizer(template)
-        return {"name": "t", "hidden_size": 8, "tokenizer_hash": tokenizer_hash(tok), "tokenizer_parts": tokenizer_parts(tok)}
+        digest, parts = tokenizer_identity(make_tokenizer(template))
+        return {"name": "t", "hidden_size": 8, "tokenizer_hash": digest, "tokenizer_parts": parts}
 
     chatml, llama3 = identity(CHATML), identity(LLAMA3)
     assert chatml["tokenizer_parts"]["vocabulary"] == llama3["tokenizer_parts"]["vocabulary"]
