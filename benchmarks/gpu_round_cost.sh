@@ -10,7 +10,8 @@
 #      chain recorded whole);
 #   4. --profile for a one-token step, a chain of 3 and a 6,10,60 tree: where each arm's round goes,
 #      host and GPU kernels by kind.
-# FULL=1 adds the eager, reference and unfolded arms and 2000 cached tokens (about 4 more minutes).
+# FULL=1 adds the eager, reference and unfolded arms and 2000 cached tokens, and `generate`'s own rounds
+# against the rounds alone (--generate 128, for the 135M and the 8B shape): about 7 more minutes.
 # Logs go to $OUT (default /tmp/gpu-round-cost).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
@@ -25,6 +26,10 @@ if [ "${FULL:-0}" = 1 ]; then
   for context in 400 2000; do
     timeout 300 $round_cost --unfolded --compile-blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \
       --context "$context" 2>&1 | tee "$out/round_cost_8b_ctx$context.txt"
+  done
+  for target in "random:smollm2-135m --draft-vocab 8192" "random:llama-3.1-8b --draft-vocab 32000"; do
+    timeout 170 python3 benchmarks/round_cost.py --device cuda --graphs --arms graphs --generate 128 --chains 3 \
+      --trees 4,4,12 --repeats 10 --profile --target $target 2>&1 | tee "$out/generate_$(echo "$target" | cut -d' ' -f1 | cut -d: -f2).txt"
   done
 else
   timeout 200 $round_cost --compile-blocks --arms graphs,blocks --chains 3,4 --trees 4,4,12 5,6,24 6,10,60 --repeats 30 \

@@ -57,6 +57,12 @@ also measures the device's copy bandwidth and prints the autoregressive step aga
 bytes of weights one step reads over that bandwidth (`ar_floor_ms`, `copy_gbps`). The drafter is a
 fresh EAGLE-3 drafter of the target's shape (fused layers [2, N/2, N-3]). `--layers N` keeps only the
 first N decoder layers of a random target (a quick check of the script on a CPU).
+
+`--generate N` also decodes N tokens after the prompt with `generate` itself (the loop `draftsmith eval`
+runs: committing, bookkeeping, one host sync a round), plainly and with the first chain and the first
+tree, and prints `loop_<shape>` = generate's mean round ÷ the same round timed above (drafting and
+verification alone): what the loop adds (`loop_ar` for a plain step). With `--profile`, one plain decode
+is profiled too, per token (on a GPU: its kernels' busy time against its wall time).
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ RANDOM_TARGETS = {  # shapes of public checkpoints, built with random weights (n
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                          tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5),  # the embedded default's shape
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -243,15 +252,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="a random target's decoder layers (default: the shape's)")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the fresh drafter's head size")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="also decode this many tokens with generate (plain, first chain, first tree): the loop's share")
     args = ap.parse_args()
 
     from draftsmith.eval.evaluate import parse_tree
     from draftsmith.models.loading import load_proposer
     from draftsmith.models.target import DTYPES, load_target
-    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.generate import TargetRunner, generate
     from draftsmith.runtime.graphs import GraphRunner
     from draftsmith.runtime.policies import Static
-    from draftsmith.runtime.proposers import FeatureProposer
+    from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import DraftTree
 
@@ -285,6 +296,7 @@ def main() -> None:
     shapes += [(f"tree {spec}", parse_tree(spec)) for spec in args.trees]
     failures: list[str] = []
     replays: dict[str, float] = {}
+    loops: dict[str, list[tuple[str, float, float]]] = {}  # arm → (shape, generate's ms a round, tokens a round)
 
     def time_runtime(arm: str) -> list[tuple[str, int, float, float]]:
         """Rows (shape, verified tokens, draft ms, verify ms) of one runtime: runtime, graphs or reference."""
@@ -293,7 +305,7 @@ def main() -> None:
         if arm in ("graphs", "unfolded", "blocks"):
             proposer.enable_graphs()
             # the last arm compiles the model's blocks, which stay compiled
-            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256,
+            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256 + args.generate,
                                  gqa=arm != "unfolded", compile=arm == "blocks")
         else:
             runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
@@ -345,6 +357,26 @@ def main() -> None:
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
         if getattr(runner, "capture", False):  # the one-token graph's replay alone: the GPU's share of a step
             replays[f"ar_replay_ms_{arm}"] = median_ms(runner.recorded.graphs[1][0].replay, args.repeats)
+        if args.generate:
+            first_chain = next(((n, s) for n, s in shapes if isinstance(s, int)), None)
+            first_tree = next(((n, s) for n, s in shapes if not isinstance(s, int)), None)
+            decodes = [("autoregressive", NoProposer(target.vocab_size), Static(0), None)]
+            if first_chain:
+                decodes.append((first_chain[0], proposer, Static(first_chain[1]), None))
+            if first_tree:
+                decodes.append((first_tree[0], proposer, Static(first_tree[1].depth), first_tree[1]))
+            loops[arm] = []
+            for name, source, policy, tree in decodes:
+                def decode(source=source, policy=policy, tree=tree):
+                    return generate(runner, source, prompt, args.generate, policy, sampling, tree=tree)
+                decode()  # a warm-up: graphs for the prompt and each round's shapes are recorded here
+                rounds = min((decode().rounds for _ in range(3)), key=lambda r: sum(x.seconds for x in r))
+                loops[arm].append((name, 1e3 * sum(r.seconds for r in rounds) / len(rounds),
+                                   sum(r.committed for r in rounds) / len(rounds)))
+            if args.profile:  # a plain decode, per token (its prefill is one forward against N)
+                parts = profile_ms(lambda: generate(runner, decodes[0][1], prompt, args.generate, Static(0)), 2)
+                print(f"profile {arm:<10}{'generate':<16}" + "  ".join(f"{k} {v / args.generate:.2f}" for k, v in parts.items())
+                      + " (ms a token)", flush=True)
         if args.profile:
             for name, fn in profiled.items():
                 parts = profile_ms(fn, max(3, args.repeats // 2))
@@ -387,6 +419,13 @@ def main() -> None:
                 key = shape_key(name)
                 parts += [f"ratio_{key}{suffix}={ratio:.3f}", f"verify_{key}{suffix}={verify_ms / ar:.3f}"]
     parts += [f"{key}={ms:.2f}" for key, ms in replays.items()]
+    for arm, decoded in loops.items():
+        suffix = "" if arm == "runtime" else f"_{arm}"
+        alone = {name: draft_ms + verify_ms for name, _, draft_ms, verify_ms in timed.get(arm, [])}
+        for name, ms, committed in decoded:
+            print(f"generate  {arm:<10}{name:<16}{ms:8.2f} ms a round ({committed:.2f} tokens); the round alone "
+                  f"{alone[name]:.2f} ms")
+            parts.append(f"loop_{'ar' if name == 'autoregressive' else shape_key(name)}{suffix}={ms / alone[name]:.3f}")
     parts += floor_keys(target.model, timed, args.repeats)
     print("RESULT " + " ".join(parts))
 

@@ -311,17 +311,46 @@ def _merge_adapter(model: Any, adapter: str) -> Any:
         return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
+GGUF_SPECIAL_TOKENS = {  # tokenizer attribute → the GGUF metadata key naming its id
+    "bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
+}
+GGUF_CACHE_FORMAT = 2  # 2: special tokens as the file names them (set_special_tokens)
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special tokens a GGUF file names, by tokenizer attribute (those it names)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    return {attr: int(fields[key].parts[fields[key].data[0]][0]) for attr, key in GGUF_SPECIAL_TOKENS.items()
+            if key in fields}
+
+
+def set_special_tokens(tokenizer: Any, ids: dict[str, int]) -> list[str]:
+    """Make the tokenizer's special tokens those `ids` name; returns what changed. transformers 5.0–5.17
+    took a GGUF's bos token for its eos and dropped its pad token (5.18 mended it): a target loaded from
+    a GGUF under them would stop generating at the wrong token and hash to another tokenizer."""
+    changed = []
+    for attr, token_id in ids.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, attr) != token:
+            changed.append(f"{attr} {getattr(tokenizer, attr)!r} -> {token!r}")
+            setattr(tokenizer, attr, token)
+    return changed
+
+
 def _gguf_cache(path: Path) -> Path:
     """Dequantize a GGUF once into a safetensors directory; later loads read that (fast).
 
-    The directory is named by the file's content (sha256), so the same model installed in another
-    virtualenv or copied elsewhere reuses it; a small pointer per (path, size, mtime) spares
-    hashing the file on every load."""
+    The directory is named by the file's content (sha256) and the cache's format, so the same model
+    installed in another virtualenv or copied elsewhere reuses it; a small pointer per (path, size,
+    mtime) spares hashing the file on every load."""
     stat = path.stat()
     where = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     pointer = cache_root() / "gguf" / "by-path" / where
     key = pointer.read_text().strip() if pointer.is_file() else _file_sha256(path)[:16]
-    final = cache_root() / "gguf" / f"{path.stem}-{key}"
+    final = cache_root() / "gguf" / f"{path.stem}-{key}-v{GGUF_CACHE_FORMAT}"
     if not pointer.is_file():
         pointer.parent.mkdir(parents=True, exist_ok=True)
         pointer.write_text(key + "\n")
@@ -332,6 +361,7 @@ def _gguf_cache(path: Path) -> Path:
 
     final.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    set_special_tokens(tokenizer, gguf_special_token_ids(path))
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:

@@ -7,7 +7,9 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import quiet_peft
-from draftsmith.models.target import load_target, resolve_embedded, resolve_source
+from draftsmith.data.chat import tokenizer_hash
+from draftsmith.models.target import (gguf_special_token_ids, load_target, load_tokenizer, resolve_embedded, resolve_source,
+                                     set_special_tokens)
 from tests.conftest import save_tiny_target
 
 
@@ -80,6 +82,20 @@ def test_bad_target_names_give_clear_errors(tmp_path):
         load_target(str(tmp_path / "x.gguf"))
     with pytest.raises(DraftsmithError, match="unknown dtype"):
         load_target("whatever", dtype="float8")
+
+
+def test_gguf_special_tokens_come_from_the_file():
+    """transformers 5.0-5.17 loaded the embedded GGUF with <|im_start|> as its eos and no pad token (so the
+    tokenizer hashed to f2ab641312d00e93); the loader sets them as the file names them."""
+    ids = gguf_special_token_ids(resolve_embedded("embedded:smollm2-135m-instruct"))
+    assert ids == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    tok = load_tokenizer("embedded:smollm2-135m-instruct")
+    assert set_special_tokens(tok, ids) == []
+    right = tokenizer_hash(tok)
+    tok.eos_token = "<|im_start|>"  # what the older GGUF loader made of it
+    assert tokenizer_hash(tok) != right
+    assert set_special_tokens(tok, ids) == ["eos_token '<|im_start|>' -> '<|im_end|>'"]
+    assert tok.eos_token_id == 2 and tokenizer_hash(tok) == right == "75ff9918aba724a7"
 
 
 @pytest.mark.slow
