@@ -330,7 +330,8 @@ def gguf_special_token_ids(path: Path) -> dict[str, int]:
 def set_special_tokens(tokenizer: Any, ids: dict[str, int]) -> list[str]:
     """Make the tokenizer's special tokens those `ids` name; returns what changed. transformers 5.0–5.17
     took a GGUF's bos token for its eos and dropped its pad token (5.18 mended it): a target loaded from
-    a GGUF under them would stop generating at the wrong token and hash to another tokenizer."""
+    a GGUF under them also ended answers at its bos token, and its tokenizer hashed differently, so
+    exports trained under another version were refused."""
     changed = []
     for attr, token_id in ids.items():
         token = tokenizer.convert_ids_to_tokens(token_id)
