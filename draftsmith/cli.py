@@ -287,6 +287,33 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
             logger = trainer.logger
             if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
                 logger.init_args.save_dir = trainer.default_root_dir
+            if self._get(self.config, "ckpt_path") == "last":
+                self.resume_in_place(trainer)
+
+        def resume_in_place(self, trainer: Any) -> None:
+            """`--ckpt_path last` for a recipe whose checkpoints live in its logger's versioned directory
+            (`logs/version_N/checkpoints`, where Lightning puts them when a ModelCheckpoint names no dirpath):
+            a resumed run logs to a new version, where Lightning would look for last.ckpt in vain and start
+            over. This resumes from the newest version's last.ckpt and keeps the checkpoints there (so the best
+            one so far stays on record), the new logs going to the new version."""
+            callbacks = [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")]
+            args = getattr(trainer.logger, "init_args", None)
+            if not callbacks or any(cb.init_args.get("dirpath") for cb in callbacks) or args is None \
+                    or args.get("version") is not None:
+                return  # last.ckpt has a fixed place: Lightning finds it
+            from pathlib import Path
+
+            base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
+            base = base / args["name"] if args.get("name") else base
+            found = sorted(base.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+            if not found:
+                return  # nothing to resume: Lightning says so and starts from the beginning
+            for cb in callbacks:
+                cb.init_args.dirpath = str(found[-1].parent)
+            self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(found[-1])
+            from pytorch_lightning.utilities import rank_zero_info
+
+            rank_zero_info(f"resuming from {found[-1]}")
 
     return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},

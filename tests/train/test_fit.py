@@ -141,6 +141,34 @@ def test_a_shipped_recipe_killed_between_validations_resumes_from_its_last_steps
     assert best_checkpoint(tmp_path / "run").name in {"best-step=3.ckpt", "best-step=6.ckpt"}
 
 
+def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path):
+    """Shipped recipes keep their checkpoints under the logger's version (logs/version_0/checkpoints); the
+    resumed run logs to version_1, where Lightning alone would find no last.ckpt and start over."""
+    shipped = yaml.safe_load((ROOT / "recipes/smollm2-135m/hass-cpu-full.yaml").read_text())["trainer"]
+    callbacks = [cb for cb in shipped["callbacks"] if cb["class_path"].endswith("ModelCheckpoint")]
+    assert not any("dirpath" in cb["init_args"] for cb in callbacks)
+    for cb in callbacks:
+        if "every_n_train_steps" in cb["init_args"]:
+            cb["init_args"]["every_n_train_steps"] = 2
+    path = recipe(tiny_features, tmp_path, callbacks=callbacks)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["logger"]["init_args"] = {"save_dir": str(tmp_path / "run"), "name": "logs"}  # as shipped
+    path.write_text(yaml.safe_dump(cfg))
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(path), "--trainer.max_steps", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    first = tmp_path / "run" / "logs" / "version_0"
+    assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr + resumed.stdout
+    assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 8
+    assert not (tmp_path / "run" / "logs" / "version_1" / "checkpoints").exists()
+    steps = [int(r["step"]) for r in csv.DictReader(open(tmp_path / "run" / "logs" / "version_1" / "metrics.csv"))]
+    assert steps and min(steps) >= 4  # the new version logs the steps after the resume, version_0 keeps its own
+    assert (first / "metrics.csv").is_file()
+
+
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tiny_features, tmp_path):
     two = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path / "ddp")), "--trainer.max_steps", "3",
