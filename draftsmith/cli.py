@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
@@ -241,11 +242,13 @@ def _not_litlogger_tip(record: Any) -> bool:
     return "litlogger" not in str(record.msg)
 
 
-def lightning_cli(argv: list[str], run: bool = True) -> Any:
+def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None) -> Any:
     """`draftsmith fit --config RECIPE [--trainer.max_steps N ...]`: LightningCLI over a recipe.
 
     The recipe names the LightningModule (`model.class_path`) and DataModule (`data.class_path`);
-    `data.init_args.target` follows `model.init_args.target`.
+    `data.init_args.target` follows `model.init_args.target`. `resume`: the last.ckpt the caller will fit
+    from (`draftsmith run`); `--ckpt_path last` finds it. Either way the run's checkpoints stay beside it
+    (`keep_checkpoints_beside`).
     """
     import logging
     import warnings
@@ -287,37 +290,46 @@ def lightning_cli(argv: list[str], run: bool = True) -> Any:
             logger = trainer.logger
             if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
                 logger.init_args.save_dir = trainer.default_root_dir
+            last = resume
             if self._get(self.config, "ckpt_path") == "last":
-                self.resume_in_place(trainer)
+                last = last_checkpoint(trainer)
+                if last is not None:  # else Lightning looks where its callbacks write, says so, and starts over
+                    self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(last)
+                    from pytorch_lightning.utilities import rank_zero_info
 
-        def resume_in_place(self, trainer: Any) -> None:
-            """`--ckpt_path last` for a recipe whose checkpoints live in its logger's versioned directory
-            (`logs/version_N/checkpoints`, where Lightning puts them when a ModelCheckpoint names no dirpath):
-            a resumed run logs to a new version, where Lightning would look for last.ckpt in vain and start
-            over. This resumes from the newest version's last.ckpt and keeps the checkpoints there (so the best
-            one so far stays on record), the new logs going to the new version."""
-            callbacks = [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")]
-            args = getattr(trainer.logger, "init_args", None)
-            if not callbacks or any(cb.init_args.get("dirpath") for cb in callbacks) or args is None \
-                    or args.get("version") is not None:
-                return  # last.ckpt has a fixed place: Lightning finds it
-            from pathlib import Path
-
-            base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
-            base = base / args["name"] if args.get("name") else base
-            found = sorted(base.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-            if not found:
-                return  # nothing to resume: Lightning says so and starts from the beginning
-            for cb in callbacks:
-                cb.init_args.dirpath = str(found[-1].parent)
-            self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(found[-1])
-            from pytorch_lightning.utilities import rank_zero_info
-
-            rank_zero_info(f"resuming from {found[-1]}")
+                    rank_zero_info(f"resuming from {last}")
+            if last is not None:
+                keep_checkpoints_beside(trainer, Path(last))
 
     return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
                          auto_configure_optimizers=False)
+
+
+def _model_checkpoints(trainer: Any) -> list[Any]:
+    """The trainer config's ModelCheckpoint callbacks that name no dirpath (Lightning then puts their files
+    in the logger's version directory, `logs/version_N/checkpoints`)."""
+    return [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")
+            and not cb.init_args.get("dirpath")]
+
+
+def last_checkpoint(trainer: Any) -> Path | None:
+    """The newest last.ckpt in the logger's version directories, for a trainer config whose checkpoints
+    live there; None when it has none, or they have a fixed place (where Lightning finds `last` itself)."""
+    args = getattr(trainer.logger, "init_args", None)
+    if not _model_checkpoints(trainer) or args is None or args.get("version") is not None:
+        return None
+    base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
+    base = base / args["name"] if args.get("name") else base
+    found = sorted(base.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
+    """A resumed run logs to a new version of its logger; its checkpoints stay in `last`'s directory, where
+    the restored ModelCheckpoint state (the best checkpoint so far and its score) points."""
+    for cb in _model_checkpoints(trainer):
+        cb.init_args.dirpath = str(last.parent)
 
 
 def _data_online(data: Any) -> bool:

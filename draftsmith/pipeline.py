@@ -124,7 +124,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     if not done:
         console.rule("[bold]2/4 fit")
         args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])
-        cli = lightning_cli(args, run=False)
+        cli = lightning_cli(args, run=False, resume=last)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(last) if last else None)
     best = best_checkpoint(root)  # Lightning's record of the best score, not a file name
 

@@ -169,6 +169,26 @@ def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path
     assert (first / "metrics.csv").is_file()
 
 
+def test_draftsmith_run_resuming_keeps_the_checkpoints_beside_its_last(tiny_features, tmp_path):
+    """`draftsmith run` finds last.ckpt itself and hands it to lightning_cli(resume=...): the resumed run's
+    ModelCheckpoints write beside it, not in the new version's directory."""
+    from draftsmith.cli import lightning_cli
+
+    callbacks = [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                  "init_args": {"monitor": "val/tau", "mode": "max", "save_top_k": 1}},
+                 {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                  "init_args": {"every_n_train_steps": 2, "save_top_k": 0, "save_last": True}}]
+    path = recipe(tiny_features, tmp_path, callbacks=callbacks)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["logger"]["init_args"] = {"save_dir": str(tmp_path / "run"), "name": "logs"}
+    path.write_text(yaml.safe_dump(cfg))
+    last = tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    fresh = lightning_cli(["--config", str(path)], run=False)
+    assert {cb.dirpath for cb in fresh.trainer.checkpoint_callbacks} == {None}  # Lightning's: the logger's version
+    resumed = lightning_cli(["--config", str(path)], run=False, resume=last)
+    assert {cb.dirpath for cb in resumed.trainer.checkpoint_callbacks} == {str(last.parent)}
+
+
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tiny_features, tmp_path):
     two = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path / "ddp")), "--trainer.max_steps", "3",
