@@ -18,6 +18,7 @@ Options take `--max_length` or `--max-length` alike; a bare `--json` means `--js
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -290,46 +291,55 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
             logger = trainer.logger
             if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
                 logger.init_args.save_dir = trainer.default_root_dir
-            last = resume
+            self.resume_from = resume
             if self._get(self.config, "ckpt_path") == "last":
-                last = last_checkpoint(trainer)
-                if last is not None:  # else Lightning looks where its callbacks write, says so, and starts over
-                    self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(last)
+                self.resume_from = last_checkpoint(trainer)
+                if self.resume_from is not None:  # else Lightning looks where its callbacks write, says so, starts over
+                    self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(self.resume_from)
                     from pytorch_lightning.utilities import rank_zero_info
 
-                    rank_zero_info(f"resuming from {last}")
-            if last is not None:
-                keep_checkpoints_beside(trainer, Path(last))
+                    rank_zero_info(f"resuming from {self.resume_from}")
+
+        def after_instantiate_classes(self) -> None:
+            super().after_instantiate_classes()
+            if self.resume_from is not None:
+                keep_checkpoints_beside(self.trainer, Path(self.resume_from))
 
     return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
                          auto_configure_optimizers=False)
 
 
-def _model_checkpoints(trainer: Any) -> list[Any]:
-    """The trainer config's ModelCheckpoint callbacks that name no dirpath (Lightning then puts their files
-    in the logger's version directory, `logs/version_N/checkpoints`)."""
-    return [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")
-            and not cb.init_args.get("dirpath")]
-
-
 def last_checkpoint(trainer: Any) -> Path | None:
-    """The newest last.ckpt in the logger's version directories, for a trainer config whose checkpoints
-    live there; None when it has none, or they have a fixed place (where Lightning finds `last` itself)."""
+    """The newest last.ckpt (or last-vN.ckpt) in the logger's version directories, for a trainer config
+    whose ModelCheckpoints name no dirpath, so that Lightning keeps their files under the logger's version
+    (`logs/version_N/checkpoints`); None when there is none, or when they have a fixed place, where
+    Lightning finds `last` itself."""
+    checkpoints = [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")]
     args = getattr(trainer.logger, "init_args", None)
-    if not _model_checkpoints(trainer) or args is None or args.get("version") is not None:
+    if not checkpoints or any(cb.init_args.get("dirpath") for cb in checkpoints) or args is None \
+            or args.get("version") is not None:
         return None
     base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
     base = base / args["name"] if args.get("name") else base
-    found = sorted(base.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    found = sorted(base.glob("version_*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 
 def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
-    """A resumed run logs to a new version of its logger; its checkpoints stay in `last`'s directory, where
-    the restored ModelCheckpoint state (the best checkpoint so far and its score) points."""
-    for cb in _model_checkpoints(trainer):
-        cb.init_args.dirpath = str(last.parent)
+    """A resumed run logs to a new version of its logger; its ModelCheckpoints (those given no dirpath)
+    keep writing in `last`'s directory, named as the checkpoint recorded it (Lightning restores a
+    ModelCheckpoint's best-so-far and its last file only when its dirpath equals the recorded one, and
+    records a dirpath it resolved itself unresolved: `runs/...` where a dirpath given is made absolute)."""
+    import torch
+
+    states = torch.load(last, map_location="cpu", weights_only=False, mmap=True).get("callbacks", {})
+    recorded = {state.get("dirpath") for key, state in states.items() if str(key).startswith("ModelCheckpoint")}
+    here = os.path.realpath(last.parent)
+    where = next((d for d in recorded if d and os.path.realpath(d) == here), here)
+    for cb in trainer.checkpoint_callbacks:
+        if cb.dirpath is None:  # setup() would have put its files in the new version
+            cb.dirpath = where
 
 
 def _data_online(data: Any) -> bool:

@@ -102,10 +102,10 @@ def chats_file(tmp_path) -> Path:
     return path
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `draftsmith ARGS` as a user would, in a fresh interpreter."""
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run `draftsmith ARGS` as a user would, in a fresh interpreter (in `cwd`, default this one's)."""
     return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def killed_after_writes(n: int) -> str:

@@ -141,27 +141,39 @@ def test_a_shipped_recipe_killed_between_validations_resumes_from_its_last_steps
     assert best_checkpoint(tmp_path / "run").name in {"best-step=3.ckpt", "best-step=6.ckpt"}
 
 
-def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path):
-    """Shipped recipes keep their checkpoints under the logger's version (logs/version_0/checkpoints); the
-    resumed run logs to version_1, where Lightning alone would find no last.ckpt and start over."""
+def shipped_layout(tiny_features, tmp_path, run: str) -> Path:
+    """A tiny recipe laid out as the shipped ones are: the hass-cpu-full recipe's ModelCheckpoints (no dirpath:
+    their files go under the logger's version, logs/version_N/checkpoints), its CSVLogger (no version), and
+    the run directory `run` relative to the working directory, as `runs/...` is in the recipes."""
     shipped = yaml.safe_load((ROOT / "recipes/smollm2-135m/hass-cpu-full.yaml").read_text())["trainer"]
     callbacks = [cb for cb in shipped["callbacks"] if cb["class_path"].endswith("ModelCheckpoint")]
-    assert not any("dirpath" in cb["init_args"] for cb in callbacks)
+    assert callbacks and not any("dirpath" in cb["init_args"] for cb in callbacks)
     for cb in callbacks:
         if "every_n_train_steps" in cb["init_args"]:
             cb["init_args"]["every_n_train_steps"] = 2
     path = recipe(tiny_features, tmp_path, callbacks=callbacks)
     cfg = yaml.safe_load(path.read_text())
-    cfg["trainer"]["logger"]["init_args"] = {"save_dir": str(tmp_path / "run"), "name": "logs"}  # as shipped
+    cfg["trainer"]["default_root_dir"] = run
+    cfg["trainer"]["logger"]["init_args"] = {"save_dir": run, "name": "logs"}
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path):
+    """The resumed run logs to version_1, where Lightning alone would find no last.ckpt and start over; fit
+    resumes from version_0's and goes on writing there: the same last.ckpt, the best one still on record."""
+    path = shipped_layout(tiny_features, tmp_path, "run")
     killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(path), "--trainer.max_steps", "8"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert killed.returncode == -9, killed.stderr[-3000:]
     first = tmp_path / "run" / "logs" / "version_0"
     assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
-    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last", cwd=str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr + resumed.stdout
+    assert "dirpath has changed" not in resumed.stderr
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["best-step=3.ckpt", "last.ckpt"] or \
+        sorted(p.name for p in (first / "checkpoints").iterdir()) == ["best-step=6.ckpt", "last.ckpt"]
     assert torch.load(first / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 8
     assert not (tmp_path / "run" / "logs" / "version_1" / "checkpoints").exists()
     steps = [int(r["step"]) for r in csv.DictReader(open(tmp_path / "run" / "logs" / "version_1" / "metrics.csv"))]
@@ -169,24 +181,20 @@ def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path
     assert (first / "metrics.csv").is_file()
 
 
-def test_draftsmith_run_resuming_keeps_the_checkpoints_beside_its_last(tiny_features, tmp_path):
+def test_draftsmith_run_resuming_keeps_the_checkpoints_beside_its_last(tiny_features, tmp_path, monkeypatch):
     """`draftsmith run` finds last.ckpt itself and hands it to lightning_cli(resume=...): the resumed run's
-    ModelCheckpoints write beside it, not in the new version's directory."""
+    ModelCheckpoints write beside it, under the dirpath it recorded (relative, as Lightning records it)."""
     from draftsmith.cli import lightning_cli
 
-    callbacks = [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                  "init_args": {"monitor": "val/tau", "mode": "max", "save_top_k": 1}},
-                 {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                  "init_args": {"every_n_train_steps": 2, "save_top_k": 0, "save_last": True}}]
-    path = recipe(tiny_features, tmp_path, callbacks=callbacks)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["trainer"]["logger"]["init_args"] = {"save_dir": str(tmp_path / "run"), "name": "logs"}
-    path.write_text(yaml.safe_dump(cfg))
-    last = tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    monkeypatch.chdir(tmp_path)
+    path = shipped_layout(tiny_features, tmp_path, "run")
+    last = Path("run/logs/version_0/checkpoints/last.ckpt")
+    last.parent.mkdir(parents=True)
+    torch.save({"callbacks": {"ModelCheckpoint{'monitor': 'val/tau'}": {"dirpath": "run/logs/version_0/checkpoints"}}}, last)
     fresh = lightning_cli(["--config", str(path)], run=False)
     assert {cb.dirpath for cb in fresh.trainer.checkpoint_callbacks} == {None}  # Lightning's: the logger's version
     resumed = lightning_cli(["--config", str(path)], run=False, resume=last)
-    assert {cb.dirpath for cb in resumed.trainer.checkpoint_callbacks} == {str(last.parent)}
+    assert {cb.dirpath for cb in resumed.trainer.checkpoint_callbacks} == {"run/logs/version_0/checkpoints"}
 
 
 @pytest.mark.slow
