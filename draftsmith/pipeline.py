@@ -118,8 +118,8 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     # 1. features (offline recipes)
     ensure_features(path, console, "1/4 extract")
 
-    # 2. training, resumed from last.ckpt, skipped when max_steps was reached
-    last = _newest(root, "last.ckpt")
+    # 2. training, resumed from the newest last checkpoint, skipped when max_steps was reached
+    last = _newest(root, "last*.ckpt")  # last-vN.ckpt: where Lightning had to keep an older last.ckpt
     done = last is not None and torch.load(last, map_location="cpu", weights_only=True).get("global_step", 0) >= trainer.get("max_steps", -1) > 0
     if not done:
         console.rule("[bold]2/4 fit")
