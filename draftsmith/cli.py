@@ -331,9 +331,9 @@ def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
     keep writing in `last`'s directory, named as the checkpoint recorded it (Lightning restores a
     ModelCheckpoint's best-so-far and its last file only when its dirpath equals the recorded one, and
     records a dirpath it resolved itself unresolved: `runs/...` where a dirpath given is made absolute)."""
-    import torch
+    from draftsmith.export.checkpoint import checkpoint_state
 
-    states = torch.load(last, map_location="cpu", weights_only=False, mmap=True).get("callbacks", {})
+    states = checkpoint_state(last).get("callbacks", {})
     recorded = {state.get("dirpath") for key, state in states.items() if str(key).startswith("ModelCheckpoint")}
     here = os.path.realpath(last.parent)
     where = next((d for d in recorded if d and os.path.realpath(d) == here), here)

@@ -28,7 +28,7 @@ def _candidates(run_dir: Path) -> list[Path]:
     return [p for p in found if not any(_is_zero_dir(parent) for parent in p.parents)]
 
 
-def _checkpoint_state(path: Path) -> dict[str, Any]:
+def checkpoint_state(path: Path) -> dict[str, Any]:
     """A checkpoint's contents without its weights' provenance checks (weights_only: nothing is executed)."""
     if _is_zero_dir(path):
         path = consolidate_zero(path)
@@ -59,7 +59,7 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     if not found:
         raise DraftsmithError(f"no checkpoint (*.ckpt) under {run_dir}; train first (`draftsmith fit --config RECIPE`)")
     newest = max(found, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"))
-    records = [v for v in monitored_records(_checkpoint_state(newest)) if v.get("best_model_path")]
+    records = [v for v in monitored_records(checkpoint_state(newest)) if v.get("best_model_path")]
     if not records:
         return newest
     recorded = Path(records[0]["best_model_path"])
@@ -98,7 +98,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         path = best_checkpoint(path)
     if not path.exists():
         raise DraftsmithError(f"checkpoint {path} not found")
-    ckpt = _checkpoint_state(path)
+    ckpt = checkpoint_state(path)
     if "draftsmith" not in ckpt or "hyper_parameters" not in ckpt:
         raise DraftsmithError(f"{path} is not a draftsmith training checkpoint (no draftsmith metadata)")
     ckpt["path"] = str(path)
