@@ -99,14 +99,13 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
 
 
 def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
-    import torch
     import yaml
 
     from draftsmith.cli import lightning_cli
     from draftsmith.eval.evaluate import evaluate
     from draftsmith.eval.report import plots, table, write_results
     from draftsmith.export import export
-    from draftsmith.export.checkpoint import best_checkpoint
+    from draftsmith.export.checkpoint import best_checkpoint, checkpoint_state
 
     path, out = Path(cfg.recipe), cfg.out
     if not path.is_file():
@@ -120,7 +119,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
 
     # 2. training, resumed from the newest last checkpoint, skipped when max_steps was reached
     last = _newest(root, "last*.ckpt")  # last-vN.ckpt: where Lightning had to keep an older last.ckpt
-    done = last is not None and torch.load(last, map_location="cpu", weights_only=True).get("global_step", 0) >= trainer.get("max_steps", -1) > 0
+    done = last is not None and checkpoint_state(last).get("global_step", 0) >= trainer.get("max_steps", -1) > 0
     if not done:
         console.rule("[bold]2/4 fit")
         args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])
