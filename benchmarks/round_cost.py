@@ -38,7 +38,9 @@ On a GPU the profile adds the kernels' time by kind (matrix products, attention,
 replayed from CUDA graphs included) and the GPU's busy time per round, against the round's wall time.
 
 `--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
-torch.compile, inductor, weights frozen); the reference path stays eager.
+torch.compile, inductor, weights frozen); `--compile cached` with the packed weights as inputs of the graph,
+which inductor's cache keeps for later processes (`TargetRunner(compile="cached")`). The reference path stays
+eager.
 
 `--graphs` adds a third arm: `GraphRunner` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
 fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed from a CUDA graph (keys
@@ -238,8 +240,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="draft chains by sampling at this temperature (0: greedy); trees draft their top-k either way")
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
-    ap.add_argument("--compile", action="store_true",
-                    help="time the runtime with its decoder compiled (torch.compile, inductor); the reference stays eager")
+    ap.add_argument("--compile", nargs="?", const="frozen", default=None, choices=["frozen", "cached"],
+                    help="time the runtime with its decoder compiled (torch.compile, inductor; frozen weights, or cached: "
+                         "graphs inductor's cache keeps); the reference stays eager")
     ap.add_argument("--graphs", action="store_true",
                     help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
     ap.add_argument("--unfolded", action="store_true",
@@ -308,7 +311,7 @@ def main() -> None:
             runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256 + args.generate,
                                  gqa=arm != "unfolded", compile=arm == "blocks")
         else:
-            runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=fast and args.compile)
+            runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=args.compile if fast else False)
         with torch.no_grad():
             runner.reset()
             _, final, aux = runner.forward(prompt, last_logits=True)
@@ -400,8 +403,11 @@ def main() -> None:
         seconds[arm] = time.perf_counter() - start
     for failure in failures:
         print("FAILED " + failure)
-    compiled = (f"; decoder compiled: the runtime's arm took {seconds['runtime']:.0f} s in all against the "
-                f"reference's {seconds['reference']:.0f} s, the difference being mostly compilation") if args.compile else ""
+    compiled = ""
+    if args.compile and "runtime" in seconds:
+        compiled = f"; decoder compiled ({args.compile}): the runtime's arm took {seconds['runtime']:.0f} s in all"
+        if "reference" in seconds:
+            compiled += f" against the reference's {seconds['reference']:.0f} s, the difference being mostly compilation"
     print(f"target: {args.target}; drafter: {what}; {args.context} cached tokens; {args.dtype}; {args.device}; "
           f"medians of {args.repeats}{compiled}")
     print(f"{'arm':<10}{'shape':<16}{'verified':>9}{'draft ms':>10}{'verify ms':>11}{'round ms':>10}{'round/AR':>10}"

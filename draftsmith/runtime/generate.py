@@ -63,11 +63,14 @@ class GenerationResult:
         return 1 + sum(r.target_forwards for r in self.rounds)  # the prefill included
 
 
+COMPILE_MODES = {True: "frozen", "frozen": "frozen", "cached": "cached"}  # TargetRunner(compile=...)
+
+
 class TargetRunner:
     """A transformers causal LM with its KV cache: forward, read features, roll back."""
 
     def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None,
-                 fast: bool = True, compile: bool = False):
+                 fast: bool = True, compile: bool | str = False):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -79,10 +82,16 @@ class TargetRunner:
         # `fast`: preallocated KV slabs (runtime/cache.py) and, on a CPU, prepacked linear weights (runtime/kernels.py);
         # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
         self.fast = fast
-        # `compile`: the decoder runs through torch.compile (inductor with the weights frozen into the
-        # graph, as the target never trains here; inductor packs them itself, so the decoder's packed
-        # linears serve only eager forwards). Each kind of forward (a prefill, one token, several, a
-        # tree under its mask) compiles at its first call, for any length.
+        # `compile`: the decoder runs through torch.compile (inductor). Each kind of forward (a prefill, one
+        # token, several, a tree under its mask) compiles at its first call, for any length.
+        #   True or "frozen": the weights frozen into the graph, as the target never trains here; inductor
+        #     packs them itself (the decoder's packed linears serve only eager forwards). The fastest step,
+        #     but inductor never stores a frozen graph, so every process compiles anew.
+        #   "cached": the decoder's own packed linears traced as an opaque operator (kernels.py), the weights
+        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them.
+        self.compile_mode = COMPILE_MODES.get(compile) if compile else None
+        if compile and self.compile_mode is None:
+            raise DraftsmithError(f"compile must be true, false, frozen or cached, got {compile!r}")
         self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if compile else self.decoder
         self.linears = PackedLinears(self.decoder, enabled=fast)
         self.head_linears = PackedLinears(self.head, enabled=fast)
@@ -94,9 +103,9 @@ class TargetRunner:
         return self.head.weight.device
 
     def compiling(self) -> Any:
-        """Inductor's settings while a compiled forward may compile: weights frozen into the graph.
-        An eager decoder gets its packed linears instead."""
-        if self.decoder_call is self.decoder:
+        """What a forward runs under: an eager or "cached" decoder its packed linears, a frozen one
+        inductor's settings while it may compile (weights frozen into the graph)."""
+        if self.compile_mode != "frozen":
             return self.linears
         import torch._inductor.config as inductor
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import draftsmith.runtime.kernels as kernels
+from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer
 from draftsmith.runtime.cache import SlabLayer, StaticKV, decoding_cache
 from draftsmith.runtime.generate import TargetRunner, generate
@@ -30,8 +31,10 @@ def test_packed_linear_equals_linear(rows, bias, dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this machine")
     x = torch.randn(1, rows, 48, dtype=dtype)
     with torch.no_grad():
-        got = kernels.packed_linear(x, kernels.pack(layer.weight), layer.bias)
+        packed = kernels.pack(layer.weight)
+        got = kernels.packed_linear(x, packed, layer.bias)
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(torch.ops.draftsmith.packed_linear(x, packed, layer.bias, 80), got)  # what compile traces
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     assert got.shape == (1, rows, 80) and got.dtype == dtype
@@ -182,25 +185,51 @@ def test_decode_attention_folds_the_one_token_step(target, monkeypatch):
     torch.testing.assert_close(logits[True].float(), logits[False].float(), atol=3e-2, rtol=3e-2)
 
 
-def test_compiled_target_decodes_the_targets_own_greedy_output(target):
-    """torch.compile'd decoder (inductor, frozen weights): chains, trees with a lookup branch and the
-    EAGLE-3 drafter's fused aux layers through the same compiled graphs give the target's own text,
-    and its forwards equal the eager runner's."""
-    from torch._dynamo.utils import counters
-
-    graphs = counters["stats"]["unique_graphs"]
+def decodes_like_eager(target, compile, seeds: int) -> TargetRunner:
+    """A runner compiled as `compile` gives the eager runner's forwards and, in chains and in trees with a
+    lookup branch (the EAGLE-3 drafter's fused aux layers read through the same graphs), the target's own
+    greedy text."""
     proposer = proposers(target)["eagle3"]
-    compiled = TargetRunner(target, proposer.aux_layer_ids, compile=True)
+    compiled = TargetRunner(target, proposer.aux_layer_ids, compile=compile)
     eager = TargetRunner(target, proposer.aux_layer_ids)
     for runner in (compiled, eager):
         runner.reset()
         runner.forward([4, 8, 15, 16])
     for got, expected in zip(compiled.forward([23, 42]), eager.forward([23, 42])):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    for prompt, expected in greedy_cases(target, seeds=2):
+    for prompt, expected in greedy_cases(target, seeds=seeds):
         assert generate(compiled, proposer, prompt, 24, Static(3)).tokens == expected
         assert generate(compiled, proposer, prompt, 24, Static(0), tree=TreeShape(3, 2, 5, 3)).tokens == expected
+    return compiled
+
+
+def test_compiled_target_decodes_the_targets_own_greedy_output(target):
+    """torch.compile'd decoder (inductor, frozen weights) decodes as the eager runner does."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    decodes_like_eager(target, True, seeds=2)
     assert counters["stats"]["unique_graphs"] > graphs  # the decoder did go through inductor
+
+
+def test_a_cached_compile_decodes_the_targets_own_greedy_output_and_is_stored(target, tmp_path, monkeypatch):
+    """compile="cached": the decoder's packed linears traced as draftsmith's operator, the weights inputs of
+    the graph. It decodes as the eager runner does, and inductor's graph cache stores every compiled graph
+    (a frozen graph it bypasses), so a later process loads them."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    bypassed, stored = counters["inductor"]["fxgraph_cache_bypass"], counters["inductor"]["fxgraph_cache_miss"]
+    compiled = decodes_like_eager(target, "cached", seeds=1)
+    assert compiled.linears.linears  # the decoder's linears are packed here (fp32 on a CPU with oneDNN)
+    assert counters["inductor"]["fxgraph_cache_miss"] > stored  # compiled and stored ...
+    assert counters["inductor"]["fxgraph_cache_bypass"] == bypassed  # ... none refused
+    assert any(tmp_path.rglob("*")), "inductor wrote nothing to its cache"
+
+
+def test_compile_modes_are_checked(target):
+    with pytest.raises(DraftsmithError, match="compile must be"):
+        TargetRunner(target, compile="fast")
 
 
 def test_a_compiled_tree_forward_is_one_graph(target):
