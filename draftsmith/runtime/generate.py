@@ -85,10 +85,11 @@ class TargetRunner:
         # `compile`: the decoder runs through torch.compile (inductor). Each kind of forward (a prefill, one
         # token, several, a tree under its mask) compiles at its first call, for any length.
         #   True or "frozen": the weights frozen into the graph, as the target never trains here; inductor
-        #     packs them itself (the decoder's packed linears serve only eager forwards). The fastest step,
-        #     but inductor never stores a frozen graph, so every process compiles anew.
+        #     packs them itself (the decoder's packed linears serve only eager forwards). Inductor never
+        #     stores a frozen graph, so every process compiles anew.
         #   "cached": the decoder's own packed linears traced as an opaque operator (kernels.py), the weights
-        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them.
+        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them. As fast
+        #     a step as "frozen" on a 2-core CPU (docs/runtime.md).
         self.compile_mode = COMPILE_MODES.get(compile) if compile else None
         if compile and self.compile_mode is None:
             raise DraftsmithError(f"compile must be true, false, frozen or cached, got {compile!r}")
