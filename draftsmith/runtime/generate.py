@@ -88,12 +88,12 @@ class TargetRunner:
         #     packs them itself (the decoder's packed linears serve only eager forwards). Inductor never
         #     stores a frozen graph, so every process compiles anew.
         #   "cached": the decoder's own packed linears traced as an opaque operator (kernels.py), the weights
-        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them. As fast
-        #     a step as "frozen" on a 2-core CPU (docs/runtime.md).
+        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them (the two
+        #     modes' steps and compile times: docs/runtime.md).
         self.compile_mode = COMPILE_MODES.get(compile) if compile else None
         if compile and self.compile_mode is None:
             raise DraftsmithError(f"compile must be true, false, frozen or cached, got {compile!r}")
-        self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if compile else self.decoder
+        self.decoder_call = torch.compile(self.decoder.forward, dynamic=True) if self.compile_mode else self.decoder
         self.linears = PackedLinears(self.decoder, enabled=fast)
         self.head_linears = PackedLinears(self.head, enabled=fast)
         self.attention = DecodeAttention(model, enabled=fast and self.gqa)  # grouped query heads folded into rows

@@ -59,7 +59,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # mkldnn's op only for weights it froze into the graph itself, and a frozen graph is never stored in its
 # caches; this operator is opaque to it instead: the packed weight stays an input of the graph and the call
 # runs the kernel above, so the compiled graph can be cached and reloaded by a later process. Defined with
-# torch.library's low-level API: a `custom_op` adds ~10 µs of Python per call, this ~2.
+# torch.library's low-level API, which adds less Python per call than a `custom_op` (docs/runtime.md).
 _LIBRARY = torch.library.Library("draftsmith", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 _LIBRARY.impl("packed_linear", lambda x, packed, bias, out_features: packed_linear(x, packed, bias),
