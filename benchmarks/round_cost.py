@@ -37,10 +37,10 @@ transformers' module calls, tree bookkeeping).
 On a GPU the profile adds the kernels' time by kind (matrix products, attention, copies, other; kernels
 replayed from CUDA graphs included) and the GPU's busy time per round, against the round's wall time.
 
-`--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`:
-torch.compile, inductor, weights frozen); `--compile cached` with the packed weights as inputs of the graph,
-which inductor's cache keeps for later processes (`TargetRunner(compile="cached")`). The reference path stays
-eager.
+`--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`, which is
+`compile="cached"`: torch.compile, inductor, the packed weights inputs of the graph, which inductor's cache
+keeps for later processes); `--compile frozen` with the weights frozen into the graph, compiled anew in
+every process (`TargetRunner(compile="frozen")`). The reference path stays eager.
 
 `--graphs` adds a third arm: `GraphRunner` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
 fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed from a CUDA graph (keys
@@ -240,9 +240,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="draft chains by sampling at this temperature (0: greedy); trees draft their top-k either way")
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
-    ap.add_argument("--compile", nargs="?", const="frozen", default=None, choices=["frozen", "cached"],
-                    help="time the runtime with its decoder compiled (torch.compile, inductor; frozen weights, or cached: "
-                         "graphs inductor's cache keeps); the reference stays eager")
+    ap.add_argument("--compile", nargs="?", const="cached", default=None, choices=["cached", "frozen"],
+                    help="time the runtime with its decoder compiled (torch.compile, inductor; cached: graphs inductor's "
+                         "cache keeps, or frozen weights); the reference stays eager")
     ap.add_argument("--graphs", action="store_true",
                     help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
     ap.add_argument("--unfolded", action="store_true",

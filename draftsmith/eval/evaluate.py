@@ -43,9 +43,9 @@ class DecodeOptions:
             head computed over those rows only (exports carry the counts); 0 = the full head.
         compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
             included, compiles at its first call: minutes on a small CPU); the warm-up absorbs the compile,
-            and the report gives its time. true (or frozen): the weights frozen into the graph, compiled
-            anew in every process; cached: the packed weights stay inputs of the graph, so inductor's cache
-            keeps it and a later process loads it (a shorter warm-up; both modes measured in docs/runtime.md).
+            and the report gives its time. true (or cached): the packed weights stay inputs of the graph, so
+            inductor's cache keeps it and a later process loads it (a shorter warm-up); frozen: the weights
+            frozen into the graph, compiled anew in every process (both modes measured in docs/runtime.md).
         graphs: on a GPU, replay each target forward and each feature drafter's forward from a CUDA graph
             (KV caches of fixed capacity, one graph per row count, recorded at its first use;
             runtime/graphs.py); a static chain (greedy or sampled) or a tree without a stop policy is drafted

@@ -63,7 +63,7 @@ class GenerationResult:
         return 1 + sum(r.target_forwards for r in self.rounds)  # the prefill included
 
 
-COMPILE_MODES = {True: "frozen", "frozen": "frozen", "cached": "cached"}  # TargetRunner(compile=...)
+COMPILE_MODES = {True: "cached", "cached": "cached", "frozen": "frozen"}  # TargetRunner(compile=...)
 
 
 class TargetRunner:
@@ -84,12 +84,11 @@ class TargetRunner:
         self.fast = fast
         # `compile`: the decoder runs through torch.compile (inductor). Each kind of forward (a prefill, one
         # token, several, a tree under its mask) compiles at its first call, for any length.
-        #   True or "frozen": the weights frozen into the graph, as the target never trains here; inductor
-        #     packs them itself (the decoder's packed linears serve only eager forwards). Inductor never
-        #     stores a frozen graph, so every process compiles anew.
-        #   "cached": the decoder's own packed linears traced as an opaque operator (kernels.py), the weights
-        #     inputs of the graph: inductor's caches keep the graphs, and a later process loads them (the two
-        #     modes' steps and compile times: docs/runtime.md).
+        #   True or "cached": the decoder's own packed linears traced as an opaque operator (kernels.py), the
+        #     weights inputs of the graph: inductor's caches keep the graphs, and a later process loads them.
+        #   "frozen": the weights frozen into the graph, as the target never trains here; inductor packs them
+        #     itself (the decoder's packed linears serve only eager forwards). Inductor never stores a frozen
+        #     graph, so every process compiles anew. (The two modes' steps and compile times: docs/runtime.md.)
         self.compile_mode = COMPILE_MODES.get(compile) if compile else None
         if compile and self.compile_mode is None:
             raise DraftsmithError(f"compile must be true, false, frozen or cached, got {compile!r}")

@@ -203,12 +203,12 @@ def decodes_like_eager(target, compile, seeds: int) -> TargetRunner:
     return compiled
 
 
-def test_compiled_target_decodes_the_targets_own_greedy_output(target):
-    """torch.compile'd decoder (inductor, frozen weights) decodes as the eager runner does."""
+def test_a_frozen_compile_decodes_the_targets_own_greedy_output(target):
+    """compile="frozen": the torch.compile'd decoder (inductor, frozen weights) decodes as the eager runner does."""
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    decodes_like_eager(target, True, seeds=2)
+    decodes_like_eager(target, "frozen", seeds=2)
     assert counters["stats"]["unique_graphs"] > graphs  # the decoder did go through inductor
 
 
@@ -228,6 +228,7 @@ def test_a_cached_compile_decodes_the_targets_own_greedy_output_and_is_stored(ta
 
 
 def test_compile_modes_are_checked(target):
+    assert TargetRunner(target, compile=True).compile_mode == "cached"  # `--compile` alone: the mode a cache keeps
     with pytest.raises(DraftsmithError, match="compile must be"):
         TargetRunner(target, compile="fast")
 
