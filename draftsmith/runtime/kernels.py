@@ -156,6 +156,34 @@ DECODE_ATTENTION = "draftsmith_decode"
 FOLD_MAX_ROWS = 8  # from here on torch's own grouped-query mode costs the same as folding
 
 
+class _LayerMask:
+    """One forward's mask as SDPA takes it, built once for all the layers: every layer gets the same
+    boolean mask object, and torch would turn it into an additive one (and a folded one into rows) in
+    each layer. Keyed by that object and its version, so a buffer written in place is built again."""
+
+    source: tuple[torch.Tensor, int, tuple] | None = None
+    built: torch.Tensor | None = None
+
+    @classmethod
+    def get(cls, mask: torch.Tensor, groups: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` (B, 1, R, ≥ columns) as an additive mask (B, 1, groups·R, columns), row r of group j at j·R + r."""
+        if torch.compiler.is_compiling() or mask.is_inference():  # a compiled graph fuses this itself; an
+            return cls.build(mask, groups, columns, dtype)            # inference tensor keeps no version
+        key = (groups, columns, dtype)
+        if cls.source is None or cls.source[0] is not mask or cls.source[1:] != (mask._version, key):
+            cls.source, cls.built = (mask, mask._version, key), cls.build(mask, groups, columns, dtype)
+        return cls.built
+
+    @staticmethod
+    def build(mask: torch.Tensor, groups: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        batch, _, rows, _ = mask.shape
+        mask = mask[..., :columns]
+        if groups > 1:
+            mask = mask[:, :, None].expand(batch, 1, groups, rows, columns).reshape(batch, 1, groups * rows, columns)
+        # what torch's SDPA makes of a boolean mask (0 where it attends, -inf elsewhere), so results are the same bits
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -170,11 +198,13 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # one mask for every head; on a GPU folding also spares the copy of K/V per query head that
         # transformers makes under a mask (torch's masked grouped-query mode leaves the fused kernels there)
         foldable = attention_mask.shape[1] == 1 and (rows <= FOLD_MAX_ROWS or query.is_cuda)
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
     if groups > 1 and plain and not foldable and attention_mask is not None:
         # torch's grouped-query mode under the mask, called directly: transformers reaches it only through an
         # environment switch (grouped_query_sdpa), which torch.compile cannot trace (a tree forward broke into
         # a graph per layer and ran slower compiled than eager)
-        mask = attention_mask[..., : key.shape[-2]]
+        columns = key.shape[-2]
+        mask = _LayerMask.get(attention_mask, 1, columns, query.dtype) if boolean else attention_mask[..., :columns]
         out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     if groups == 1 or not plain or not foldable:
@@ -182,7 +212,9 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     folded = query.reshape(batch, heads // groups, groups * rows, dim)
     mask = attention_mask
-    if mask is not None:  # (B, 1, R, S) → (B, 1, g·R, S), row order as in the folded query
+    if boolean:  # (B, 1, R, S) → (B, 1, g·R, S), row order as in the folded query
+        mask = _LayerMask.get(mask, groups, mask.shape[-1], query.dtype)
+    elif mask is not None:
         mask = mask[:, :, None].expand(mask.shape[0], 1, groups, rows, mask.shape[-1])
         mask = mask.reshape(mask.shape[0], 1, groups * rows, mask.shape[-1])
     out = nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)

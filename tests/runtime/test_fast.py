@@ -162,6 +162,34 @@ def test_decode_attention_equals_transformers_sdpa(rows, masked, dtype):
     assert got.shape == (1, rows, 6, 16)
 
 
+def test_a_forwards_mask_is_built_once_for_all_its_layers(target, monkeypatch):
+    """Every layer of a verification forward gets the same boolean mask; its additive (and folded) form is
+    built once per forward, not by torch in each layer, and built again when the mask is written in place,
+    with the same logits as transformers' SDPA path."""
+    target = copy.deepcopy(target).to(torch.bfloat16)
+    build, built = kernels._LayerMask.build, []
+    monkeypatch.setattr(kernels._LayerMask, "build", staticmethod(lambda *a: built.append(a[1:]) or build(*a)))
+    runners = {fast: TargetRunner(target, fast=fast) for fast in (True, False)}
+    tree = DraftTree(tokens=torch.arange(30, 42), parents=torch.tensor([-1, -1, 0, 0, 1] + list(range(4, 11))),
+                     depth=torch.tensor([1, 1, 2, 2, 2] + list(range(3, 10))), scores=torch.zeros(12))
+    for tokens, shape, folded in (([23, 42, 7], None, True), ([23] + tree.tokens.tolist(), tree, False)):
+        logits, builds = {}, {}
+        for fast, runner in runners.items():
+            runner.reset()
+            runner.forward([4, 8, 15, 16])
+            built.clear()
+            logits[fast], _, _ = runner.forward(tokens, shape)
+            builds[fast] = list(built)
+        groups = target.config.num_attention_heads // target.config.num_key_value_heads
+        assert builds == {True: [(groups if folded else 1, 4 + len(tokens), torch.bfloat16)], False: []}  # once, not a layer
+        torch.testing.assert_close(logits[True].float(), logits[False].float(), atol=3e-2, rtol=3e-2)
+    mask = torch.ones(1, 1, 2, 6, dtype=torch.bool)
+    first = kernels._LayerMask.get(mask, 1, 6, torch.float32)
+    assert kernels._LayerMask.get(mask, 1, 6, torch.float32) is first
+    mask[..., -1] = False  # a fixed buffer rewritten for the next forward (GraphRunner's)
+    assert kernels._LayerMask.get(mask, 1, 6, torch.float32)[..., -1].eq(float("-inf")).all()
+
+
 def test_decode_attention_folds_the_one_token_step(target, monkeypatch):
     """In bf16 the autoregressive step runs every layer's attention as key heads × g rows (no
     grouped-query call, no repeated keys), and gives the reference path's logits."""
