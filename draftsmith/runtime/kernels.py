@@ -159,7 +159,12 @@ FOLD_MAX_ROWS = 8  # from here on torch's own grouped-query mode costs the same 
 class _LayerMask:
     """One forward's mask as SDPA takes it, built once for all the layers: every layer gets the same
     boolean mask object, and torch would turn it into an additive one (and a folded one into rows) in
-    each layer. Keyed by that object and its version, so a buffer written in place is built again."""
+    each layer. Keyed by that object and its version, so a buffer written in place is built again.
+
+    Not kept while torch.compile traces (the graph fuses the conversion itself), for inference tensors
+    (no version counter), or while a CUDA graph is captured: GraphRunner captures right after an eager
+    warm-up on the same, unchanged mask buffer, and a kept mask would leave the build out of the graph,
+    so every replay would read the warm-up's mask."""
 
     source: tuple[torch.Tensor, int, tuple] | None = None
     built: torch.Tensor | None = None
@@ -167,8 +172,8 @@ class _LayerMask:
     @classmethod
     def get(cls, mask: torch.Tensor, groups: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
         """`mask` (B, 1, R, ≥ columns) as an additive mask (B, 1, groups·R, columns), row r of group j at j·R + r."""
-        if torch.compiler.is_compiling() or mask.is_inference():  # a compiled graph fuses this itself; an
-            return cls.build(mask, groups, columns, dtype)            # inference tensor keeps no version
+        if torch.compiler.is_compiling() or mask.is_inference() or _capturing(mask):
+            return cls.build(mask, groups, columns, dtype)
         key = (groups, columns, dtype)
         if cls.source is None or cls.source[0] is not mask or cls.source[1:] != (mask._version, key):
             cls.source, cls.built = (mask, mask._version, key), cls.build(mask, groups, columns, dtype)
@@ -182,6 +187,11 @@ class _LayerMask:
             mask = mask[:, :, None].expand(batch, 1, groups, rows, columns).reshape(batch, 1, groups * rows, columns)
         # what torch's SDPA makes of a boolean mask (0 where it attends, -inf elsewhere), so results are the same bits
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being recorded on the current stream of this tensor's GPU."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
