@@ -181,12 +181,17 @@ class _LayerMask:
 
     @staticmethod
     def build(mask: torch.Tensor, groups: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-        batch, _, rows, _ = mask.shape
         mask = mask[..., :columns]
         if groups > 1:
-            mask = mask[:, :, None].expand(batch, 1, groups, rows, columns).reshape(batch, 1, groups * rows, columns)
+            mask = _fold_rows(mask, groups)
         # what torch's SDPA makes of a boolean mask (0 where it attends, -inf elsewhere), so results are the same bits
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _fold_rows(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """A mask (B, 1, R, S) for the folded query: (B, 1, g·R, S), row r of group j at j·R + r."""
+    batch, _, rows, columns = mask.shape
+    return mask[:, :, None].expand(batch, 1, groups, rows, columns).reshape(batch, 1, groups * rows, columns)
 
 
 def _capturing(tensor: torch.Tensor) -> bool:
@@ -225,8 +230,7 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if boolean:  # (B, 1, R, S) → (B, 1, g·R, S), row order as in the folded query
         mask = _LayerMask.get(mask, groups, mask.shape[-1], query.dtype)
     elif mask is not None:
-        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, rows, mask.shape[-1])
-        mask = mask.reshape(mask.shape[0], 1, groups * rows, mask.shape[-1])
+        mask = _fold_rows(mask, groups)
     out = nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
