@@ -62,9 +62,10 @@ def main() -> None:
     from draftsmith.eval.evaluate import reference_chats
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig, seeded

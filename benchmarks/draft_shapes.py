@@ -38,11 +38,12 @@ def main() -> None:
         raise SystemExit(f"no drafter export at {args.drafter}: run `draftsmith run RECIPE` or `draftsmith export`")
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.runtime.loading import load_proposer
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner
-    from draftsmith.runtime.policies import Static, TreeCost, TreeCostMeter
+    from draftsmith.runtime.runner import TargetRunner
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.cost import TreeCost, TreeCostMeter
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import TreeShape

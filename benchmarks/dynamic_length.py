@@ -68,11 +68,12 @@ def main() -> None:
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.evaluate import oracle_references, parse_tree
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import (STOP_HEADS, load_proposer, load_stop_head, native_config_path, tuned_key,
-                                           tuned_settings)
+    from draftsmith.models.loading import STOP_HEADS, native_config_path, tuned_key, tuned_settings
+    from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner
-    from draftsmith.runtime.policies import CostMeter, TreeCost, TreeCostMeter, make_policy
+    from draftsmith.runtime.runner import TargetRunner
+    from draftsmith.runtime.cost import CostMeter, TreeCost, TreeCostMeter
+    from draftsmith.runtime.policies import make_policy
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
@@ -244,7 +245,7 @@ def calibration_plot(labels: str, heads: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     from draftsmith.data.conversations import split_of
-    from draftsmith.labels import read_labels
+    from draftsmith.data.labels import read_labels
     from draftsmith.models.heads import stored_inputs
 
     _, rows, ids, chat_of = read_labels(labels)

@@ -79,9 +79,10 @@ def vllm_worker(job_file: str) -> None:
 def draftsmith_arm(drafter: str, prompts: list[list[int]], k: int, max_new_tokens: int, eos: tuple[int, ...]) -> dict:
     """draftsmith's runtime: chain drafts of k, greedy, fp32, batch 1, after a warm-up."""
     from draftsmith.eval.acceptance import acceptance_stats
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.sampling import SamplingConfig
 

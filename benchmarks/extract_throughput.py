@@ -23,7 +23,7 @@ import torch
 
 from draftsmith.data.chat import MaskAudit, tokenize_many
 from draftsmith.data.conversations import load_conversations
-from draftsmith.extract import ExtractConfig, batches_by_length, extract, pad_batch
+from draftsmith.jobs.extract import ExtractConfig, batches_by_length, extract, pad_batch
 from draftsmith.models.target import load_target
 
 

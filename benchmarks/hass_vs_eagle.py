@@ -67,7 +67,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
     The trained arm is kept in `out` (trained.ckpt, arm.json): a rerun with the same recipe, overrides and
     steps reloads it instead of training again, so a run cut off in its second arm loses only that arm.
     """
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
     from draftsmith.train.metrics import DraftAcceptance
 
     base = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps)]
@@ -107,7 +107,7 @@ def decode_tau(module: object, target: object, prompts: list[list[int]], max_new
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.evaluate import EvalConfig
-    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import FeatureProposer
     from draftsmith.runtime.sampling import SamplingConfig

@@ -260,9 +260,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from draftsmith.eval.evaluate import parse_tree
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import DTYPES, load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.graphs import GraphRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer

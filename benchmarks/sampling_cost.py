@@ -53,9 +53,10 @@ def main() -> None:
     import draftsmith.runtime.targets as targets_module
     import draftsmith.runtime.tree as tree_module
     import draftsmith.runtime.verify as verify_module
-    from draftsmith.models.loading import load_proposer
+    from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig, sample

@@ -31,7 +31,7 @@ TARGET = "embedded:smollm2-135m-instruct"
 
 
 def ensure_features(data: str, limit: int, out: Path) -> None:
-    from draftsmith.extract import ExtractConfig, extract
+    from draftsmith.jobs.extract import ExtractConfig, extract
 
     if not (out / "manifest.json").is_file():
         extract(ExtractConfig(target=TARGET, data=data, out=str(out), limit=limit, max_length=512,
@@ -52,7 +52,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from hass_vs_eagle import decode_tau, train_and_score
 
-    from draftsmith.data.regenerate import RegenerateConfig, regenerate
+    from draftsmith.jobs.regenerate import RegenerateConfig, regenerate
     from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
 

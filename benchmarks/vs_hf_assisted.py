@@ -38,12 +38,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from draftsmith.eval.evaluate import EvalConfig, policy_factory
-    from draftsmith.models.loading import standalone_head_ids
+    from draftsmith.runtime.loading import standalone_head_ids
     from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Confidence, Static
-    from draftsmith.runtime.proposers import ModelProposer, NoProposer
+    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.standalone import ModelProposer
 
     if not (Path(args.drafter) / "draftsmith.json").is_file():
         raise SystemExit(f"no standalone drafter at {args.drafter}: run "

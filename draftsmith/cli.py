@@ -18,19 +18,18 @@ Options take `--max_length` or `--max-length` alike; a bare `--json` means `--js
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import DataStatsConfig
-from draftsmith.data.regenerate import RegenerateConfig
+from draftsmith.jobs.regenerate import RegenerateConfig
 from draftsmith.eval.evaluate import EvalConfig
 from draftsmith.eval.tune import TuneConfig
 from draftsmith.export import ExportConfig
-from draftsmith.extract import ExtractConfig
-from draftsmith.labels import LabelsConfig
+from draftsmith.jobs.extract import ExtractConfig
+from draftsmith.jobs.labels import LabelsConfig
+from draftsmith.models.registry import HEAD_KINDS
 from draftsmith.pipeline import RunConfig
 
 BARE_FLAGS = ("--json", "--trust_remote_code")
@@ -76,7 +75,7 @@ def extract(cfg: ExtractConfig) -> None:
     """
     from rich.console import Console
 
-    from draftsmith.extract import extract as run_extract, summary_table
+    from draftsmith.jobs.extract import extract as run_extract, summary_table
 
     manifest = run_extract(cfg)
     if manifest:
@@ -92,7 +91,7 @@ def labels(cfg: LabelsConfig) -> None:
     """
     from rich.console import Console
 
-    from draftsmith.labels import labels as run_labels
+    from draftsmith.jobs.labels import labels as run_labels
 
     manifest = run_labels(cfg)
     by_depth = manifest["by_depth"]
@@ -127,7 +126,7 @@ def regenerate(cfg: RegenerateConfig) -> None:
     """
     from rich.console import Console
 
-    from draftsmith.data.regenerate import regenerate as run_regenerate
+    from draftsmith.jobs.regenerate import regenerate as run_regenerate
 
     summary = run_regenerate(cfg)
     Console().print(f"[bold]regenerated[/] {summary['conversations']} conversations "
@@ -150,7 +149,7 @@ def export(cfg: ExportConfig) -> None:
     from draftsmith.export import export as run_export
 
     result = run_export(cfg.checkpoint, cfg.format, cfg.out, cfg.speculative_tokens, cfg.verifier)
-    what = "stop head" if result["kind"] in ("specdec", "disco") else "drafter"
+    what = "stop head" if result["kind"] in HEAD_KINDS else "drafter"
     Console(soft_wrap=True).print(f"[bold]exported[/] {result['kind']} {what} ({result['checkpoint']}) as {result['format']}: "
                     f"{', '.join(result['directories'])} (contract ok, reloaded logits within "
                     f"{result['max_logit_error']:.1e})")
@@ -239,146 +238,6 @@ def dispatch(namespace: dict[str, Any], commands: dict[str, Any] = COMMANDS) -> 
     command(config(**options))
 
 
-def _not_litlogger_tip(record: Any) -> bool:
-    return "litlogger" not in str(record.msg)
-
-
-def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None) -> Any:
-    """`draftsmith fit --config RECIPE [--trainer.max_steps N ...]`: LightningCLI over a recipe.
-
-    The recipe names the LightningModule (`model.class_path`) and DataModule (`data.class_path`);
-    `data.init_args.target` follows `model.init_args.target`. `resume`: the last.ckpt the caller will fit
-    from (`draftsmith run`); `--ckpt_path last` finds it. Either way the run's checkpoints stay beside it
-    (`keep_checkpoints_beside`).
-    """
-    import logging
-    import warnings
-
-    from pytorch_lightning.cli import LightningCLI
-
-    from draftsmith.train.trainer import Trainer
-
-    # draftsmith's DataModules resume mid-epoch themselves (their state_dict records the batches
-    # done; a test shows bit-identical weights), so Lightning's "dataloader is not resumable" is moot
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-    # Lightning 2.6's own use of a torch pytree API that torch 2.13 deprecates: nothing a user can change
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    # draftsmith always hands LightningCLI its arguments (the ones after `draftsmith fit`, or a recipe's
-    # built by `draftsmith run` / a benchmark), so the process's own sys.argv is never meant for it
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
-    # Lightning's advert for its hosted logger, printed by every Trainer: not something a run can act on
-    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_not_litlogger_tip)  # added once
-
-    # `--trainer.default_root_dir DIR` moves the whole run: a recipe's logger (and so the checkpoints, which
-    # Lightning keeps under the logger's directory) follows it unless the logger is set on the command line too
-    root_moved = any(a.split("=")[0] == "--trainer.default_root_dir" for a in argv)
-    logger_given = any(a.startswith("--trainer.logger") for a in argv)
-
-    class DraftsmithCLI(LightningCLI):
-        def add_arguments_to_parser(self, parser: Any) -> None:
-            parser.link_arguments("model.init_args.target", "data.init_args.target")
-            # what the data decides, handed to the model once both exist: whether the target runs inside the
-            # step (no stored features), and the training data's token counts (EAGLE-3's draft vocabulary,
-            # a standalone drafter's ranked head)
-            parser.link_arguments("data", "model.init_args.online", compute_fn=_data_online, apply_on="instantiate")
-            parser.link_arguments("data", "model.init_args.count_tokens", compute_fn=_data_token_counts,
-                                  apply_on="instantiate")
-            # draftsmith's DataModules shard batches across ranks themselves (length-bucketed)
-            parser.set_defaults({"trainer.use_distributed_sampler": False})
-
-        def before_instantiate_classes(self) -> None:
-            trainer = self._get(self.config, "trainer")
-            logger = trainer.logger
-            if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
-                logger.init_args.save_dir = trainer.default_root_dir
-            self.resume_from = resume
-            if self._get(self.config, "ckpt_path") == "last":
-                self.resume_from = last_checkpoint(trainer)
-                if self.resume_from is not None:  # else Lightning looks where its callbacks write, says so, starts over
-                    self.config.get(str(self.subcommand), self.config)["ckpt_path"] = str(self.resume_from)
-                    from pytorch_lightning.utilities import rank_zero_info
-
-                    rank_zero_info(f"resuming from {self.resume_from}")
-
-        def after_instantiate_classes(self) -> None:
-            super().after_instantiate_classes()
-            if self.resume_from is not None:
-                keep_checkpoints_beside(self.trainer, Path(self.resume_from))
-
-    return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
-                         save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
-                         auto_configure_optimizers=False)
-
-
-def last_checkpoint(trainer: Any) -> Path | None:
-    """The newest last.ckpt (or last-vN.ckpt) in the logger's version directories, for a trainer config
-    whose ModelCheckpoints name no dirpath, so that Lightning keeps their files under the logger's version
-    (`logs/version_N/checkpoints`); None when there is none, or when they have a fixed place, where
-    Lightning finds `last` itself."""
-    checkpoints = [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")]
-    args = getattr(trainer.logger, "init_args", None)
-    if not checkpoints or any(cb.init_args.get("dirpath") for cb in checkpoints) or args is None \
-            or args.get("version") is not None:
-        return None
-    base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
-    base = base / args["name"] if args.get("name") else base
-    found = sorted(base.glob("version_*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
-    """A resumed run logs to a new version of its logger; its ModelCheckpoints (those given no dirpath)
-    keep writing in `last`'s directory, named as the checkpoint recorded it (Lightning restores a
-    ModelCheckpoint's best-so-far and its last file only when its dirpath equals the recorded one, and
-    records a dirpath it resolved itself unresolved: `runs/...` where a dirpath given is made absolute)."""
-    from draftsmith.export.checkpoint import checkpoint_state
-
-    states = checkpoint_state(last).get("callbacks", {})
-    recorded = {state.get("dirpath") for key, state in states.items() if str(key).startswith("ModelCheckpoint")}
-    here = os.path.realpath(last.parent)
-    where = next((d for d in recorded if d and os.path.realpath(d) == here), here)
-    for cb in trainer.checkpoint_callbacks:
-        if cb.dirpath is None:  # setup() would have put its files in the new version
-            cb.dirpath = where
-
-
-def _data_online(data: Any) -> bool:
-    return bool(getattr(data, "online", False))
-
-
-def _data_token_counts(data: Any) -> Any:
-    return getattr(data, "token_counts", None)
-
-
-def _config_saver() -> type:
-    """LightningCLI's config saving, moved beside the run's checkpoints.
-
-    Lightning writes config.yaml into `trainer.log_dir`, which is the working directory when a
-    recipe has no logger; this writes it where the run keeps its files (the logger's directory,
-    else the checkpoint directory) once training starts, and nowhere when the run keeps none."""
-    from pytorch_lightning.cli import SaveConfigCallback
-
-    class SaveConfigBesideRun(SaveConfigCallback):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
-
-        def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            pass  # at setup the checkpoint directory is not resolved yet: on_train_start writes
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            checkpoint = trainer.checkpoint_callback
-            where = trainer.log_dir if trainer.loggers else getattr(checkpoint, "dirpath", None)
-            if where is None or not trainer.is_global_zero:
-                return
-            from pathlib import Path
-
-            Path(where).mkdir(parents=True, exist_ok=True)
-            self.parser.save(self.config, str(Path(where) / self.config_filename), skip_none=False,
-                             overwrite=self.overwrite, multifile=self.multifile)
-
-    return SaveConfigBesideRun
-
-
 def _print_stats(stats: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -423,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
+            from draftsmith.train.cli import lightning_cli
+
             lightning_cli(argv)
             return
         dispatch(build_parser().parse_args(argv).as_dict())

@@ -49,8 +49,11 @@ def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, optio
 def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
     """Hidden-state layers a recipe's feature directory must hold: those the drafter fuses (EAGLE-3's
     default when none are named) and the data's `layer_ids` (layers kept for other recipes sharing it)."""
+    from draftsmith.models.registry import DRAFTER_KINDS
+
     layer_ids = list(model.get("aux_layer_ids") or [])
-    if model.get("kind") == "eagle3" and not layer_ids:
+    kind = DRAFTER_KINDS.get(model.get("kind", ""))
+    if kind is not None and kind.fused_layers and not layer_ids:
         from draftsmith.models.target import load_target
 
         layer_ids = load_target(model["target"]).default_aux_layer_ids()
@@ -67,8 +70,9 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
 
     import yaml
 
-    from draftsmith.data.features import MANIFEST_FILE, RUN_FILE, read_manifest
-    from draftsmith.extract import ExtractConfig, extract, summary_table
+    from draftsmith.data.features import read_manifest
+    from draftsmith.data.shards import MANIFEST_FILE, RUN_FILE
+    from draftsmith.jobs.extract import ExtractConfig, extract, summary_table
 
     raw = yaml.safe_load(recipe.read_text())
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
@@ -101,11 +105,11 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
 def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     import yaml
 
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
     from draftsmith.eval.evaluate import evaluate
     from draftsmith.eval.report import plots, table, write_results
     from draftsmith.export import export
-    from draftsmith.export.checkpoint import best_checkpoint, checkpoint_state
+    from draftsmith.train.checkpoints import best_checkpoint, checkpoint_state
 
     path, out = Path(cfg.recipe), cfg.out
     if not path.is_file():

@@ -12,7 +12,8 @@ from draftsmith import DraftsmithError
 from draftsmith.export import export
 from draftsmith.export.common import check_config
 from draftsmith.export.eagle import check_eagle
-from draftsmith.models.loading import TOKEN_COUNTS, load_native, load_proposer
+from draftsmith.models.loading import TOKEN_COUNTS, load_native
+from draftsmith.runtime.loading import load_proposer
 from draftsmith.models.target import load_target
 from tests.conftest import run_cli
 from tests.train.test_fit import recipe, tiny_features  # noqa: F401  (fixture)
@@ -158,7 +159,7 @@ def test_a_run_directory_exports_the_checkpoint_lightning_recorded_as_best(tiny_
     point elsewhere; the best score, as ModelCheckpoint recorded it, decides."""
     import yaml
 
-    from draftsmith.export.checkpoint import best_checkpoint
+    from draftsmith.train.checkpoints import best_checkpoint
 
     path = recipe(tiny_features, tmp_path)
     cfg = yaml.safe_load(path.read_text())

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
 from draftsmith.data.features import FeatureReader, read_manifest
-from draftsmith.extract import ExtractConfig, extract
+from draftsmith.jobs.extract import ExtractConfig, extract
 from draftsmith.models.target import load_target
 from tests.conftest import killed_after_writes, run_cli, save_tiny_target
 

@@ -13,7 +13,8 @@ import yaml
 from draftsmith import DraftsmithError
 from draftsmith.eval.tune import roc_threshold
 from draftsmith.export import export
-from draftsmith.labels import LabelsConfig, labels, read_labels
+from draftsmith.data.labels import read_labels
+from draftsmith.jobs.labels import LabelsConfig, labels
 from tests.conftest import killed_after_writes, run_cli, sample_chats
 from tests.test_precision import fresh  # noqa: F401  (fixture)
 from tests.test_export import eagle3_ckpt, eagle_ckpt, train  # noqa: F401  (fixtures)

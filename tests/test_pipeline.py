@@ -19,7 +19,7 @@ def validation_ids(cfg: dict) -> list[str]:
 def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
     from draftsmith.eval.evaluate import DecodeOptions
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.extract import ExtractConfig, extract
+    from draftsmith.jobs.extract import ExtractConfig, extract
     from draftsmith.pipeline import recipe_eval_config
 
     root = tmp_path / "tiny"

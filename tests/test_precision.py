@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from draftsmith import precision
-from draftsmith.precision import env_name, resolve_dtype, resolve_precision
+from draftsmith.models import precision
+from draftsmith.models.precision import env_name, resolve_dtype, resolve_precision
 
 
 def forget_choices(monkeypatch):
@@ -86,7 +86,7 @@ def test_trainer_precision_auto(fresh, monkeypatch):
 
 
 def test_recipes_accept_auto(tmp_path, fresh):
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     set_speed, _ = fresh
     set_speed(0.5)
@@ -102,8 +102,8 @@ def test_bf16_speed_is_measured_for_both_kinds_of_work():
 
 
 def test_a_resumed_extraction_keeps_its_type(fresh, monkeypatch, tiny_target_dir, chats_file, tmp_path):
-    from draftsmith.data.features import recorded
-    from draftsmith.extract import ExtractConfig, extract
+    from draftsmith.data.shards import recorded
+    from draftsmith.jobs.extract import ExtractConfig, extract
 
     set_speed, _ = fresh
     base = dict(target=str(tiny_target_dir), data=str(chats_file), out=str(tmp_path / "f"), max_length=256,

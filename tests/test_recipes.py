@@ -35,7 +35,7 @@ def build_strategy(spec):
 def test_recipe_instantiates(path, tmp_path):
     from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     raw = yaml.safe_load(path.read_text())
     # the trainer on this CPU; the recipe's own strategy is built on its own below

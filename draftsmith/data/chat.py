@@ -11,8 +11,6 @@ full render (e.g. one that rewrites earlier turns) is reported, never guessed at
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,30 +24,6 @@ class TokenizedChat:
     id: str
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token belongs to an assistant reply
-
-
-def _tokenizer_fields(tokenizer: Any) -> dict[str, bytes]:
-    """What a tokenizer's identity is made of, serialized: vocabulary, special tokens, chat template."""
-    return {
-        "vocabulary": json.dumps(sorted(tokenizer.get_vocab().items())).encode(),
-        "special_tokens": json.dumps(sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())).encode(),
-        "chat_template": json.dumps(tokenizer.chat_template).encode(),  # a str, a dict of named templates, or None
-    }
-
-
-def tokenizer_identity(tokenizer: Any) -> tuple[str, dict[str, str]]:
-    """`tokenizer_hash` and a hash of each of its parts (12 hex), from one serialization: the parts are
-    recorded beside the hash so that a mismatch can say which part differs."""
-    fields = _tokenizer_fields(tokenizer)
-    h = hashlib.sha256()
-    for part in fields.values():
-        h.update(part)
-    return h.hexdigest()[:16], {name: hashlib.sha256(part).hexdigest()[:12] for name, part in fields.items()}
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    """Identity of a tokenizer: vocabulary, special tokens and chat template (sha256, 16 hex)."""
-    return tokenizer_identity(tokenizer)[0]
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:

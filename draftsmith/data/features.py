@@ -10,14 +10,13 @@ A feature directory holds:
   its metadata "draftsmith" holds the record ids and the slice's skip counts;
 - `manifest.json`: the totals, written when every shard exists.
 
-A shard is written under a temporary name and renamed when complete, so a crash leaves
-either a whole shard or none; rerunning skips the shards that exist.
+Shards are written and read as `data/shards.py` defines for every shard directory: atomically,
+so a crash leaves a whole shard or none and rerunning skips the shards that exist.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
@@ -26,65 +25,23 @@ import numpy as np
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data import shards
+from draftsmith.data.shards import MANIFEST_FILE, RUN_FILE, run_mismatch, shard_meta
+from draftsmith.files import write_json_atomic
 
-RUN_FILE, MANIFEST_FILE = "run.json", "manifest.json"
 FORMAT = "draftsmith-features/1"
+PREFIX = "shard"
 
 
 def shard_name(part: int) -> str:
-    return f"shard-{part:06d}.safetensors"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
-def comparable_run(run: dict[str, Any]) -> dict[str, Any]:
-    """The part of a run description that must agree for shards to mix (not the target's name)."""
-    out = {k: v for k, v in run.items() if k != "target"}
-    out["target"] = {k: v for k, v in run["target"].items() if k != "name"}
-    return out
-
-
-def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    from draftsmith.models.target import identity_differences
-
-    a, b = comparable_run(mine), comparable_run(theirs)
-    diffs = [f"target.{d}" for d in identity_differences(b["target"], a["target"], ignore=())]
-    diffs += [f"{k}: {b.get(k)!r} there, {a[k]!r} here" for k in a if k != "target" and a[k] != b.get(k)]
-    return diffs
-
-
-def recorded(out: Path, key: str) -> Any:
-    """What an earlier run into `out` recorded under `key` in its run record (None: no run there yet)."""
-    path = out / RUN_FILE
-    return json.loads(path.read_text()).get(key) if path.is_file() else None
-
-
-def claim_directory(out: Path, run: dict[str, Any]) -> None:
-    """Create `out` for this run, or check that what is already there was made the same way."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / RUN_FILE
-    if not path.exists():
-        write_json_atomic(path, run)
-        return
-    diffs = run_mismatch(run, json.loads(path.read_text()))
-    if diffs:
-        raise DraftsmithError(
-            f"{out} holds features made differently ({'; '.join(diffs)}); "
-            "refusing to mix them: choose another --out, or delete that directory to start over"
-        )
+    return shards.shard_name(PREFIX, part)
 
 
 def write_shard(out: Path, part: int, records: list[dict[str, Any]], meta: dict[str, Any],
                 layer_ids: list[int], hidden_size: int, dtype: torch.dtype) -> Path:
     """Write one shard atomically. A record: id, input_ids, loss_mask, final (T, H), layers {i: (T, H)}."""
-    from safetensors.torch import save_file
-
     lengths = [len(r["input_ids"]) for r in records]
-    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    offsets = shards.offsets(lengths)
 
     def cat(get, width=None, dt=dtype):
         if not records:
@@ -101,18 +58,7 @@ def write_shard(out: Path, part: int, records: list[dict[str, Any]], meta: dict[
         tensors[f"layer.{i}"] = cat(lambda r: r["layers"][i], hidden_size)
     meta = {**meta, "part": part, "num_records": len(records), "num_tokens": int(offsets[-1]),
             "num_loss_tokens": int(tensors["loss_mask"].sum()), "ids": [r["id"] for r in records]}
-    final = out / shard_name(part)
-    tmp = out / f".{final.name}.tmp.{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta)})
-    os.replace(tmp, final)
-    return final
-
-
-def shard_meta(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["draftsmith"])
+    return shards.write_shard(out / shard_name(part), tensors, meta)
 
 
 def build_manifest(out: Path, num_parts: int, source_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -148,12 +94,8 @@ def build_manifest(out: Path, num_parts: int, source_report: dict[str, Any] | No
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST_FILE
-    if not path.is_file():
-        hint = ("extraction has not finished: rerun the same `draftsmith extract` command to resume"
-                if (Path(directory) / RUN_FILE).exists() else "run `draftsmith extract ... --out DIR` first")
-        raise DraftsmithError(f"no feature manifest at {path}: {hint}")
-    return json.loads(path.read_text())
+    return shards.read_manifest(directory, "feature", "extraction has not finished: rerun the same `draftsmith extract` "
+                                "command to resume", "run `draftsmith extract ... --out DIR` first")
 
 
 class FeatureReader(torch.utils.data.Dataset):

@@ -249,7 +249,8 @@ class ChatDataModule(_LengthBatched):
             return
         from collections import Counter
 
-        from draftsmith.data.chat import MaskAudit, tokenize_many, tokenizer_hash
+        from draftsmith.data.chat import MaskAudit, tokenize_many
+        from draftsmith.models.tokenizer import tokenizer_hash
         from draftsmith.data.conversations import load_conversations
         from draftsmith.models.target import load_tokenizer
 

@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from draftsmith.runtime.generate import GenerationResult, TargetRule, TargetRunner, generate
-from draftsmith.runtime.policies import Policy
+from draftsmith.runtime.generate import GenerationResult, TargetRule, generate
+from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.steps import Policy
 from draftsmith.runtime.proposers import NoProposer, Proposer
 from draftsmith.runtime.sampling import SamplingConfig, seeded
 

@@ -179,7 +179,8 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
     measured. The oracle reads `references`: each prompt's ids → (prompt + the target's greedy continuation,
     the drafter's greedy chain after each of its prefixes). specdec and disco read `stop_head`: the head and
     its export section (`models.loading.load_stop_head`)."""
-    from draftsmith.runtime.policies import HEAD_POLICIES, CostMeter, TreeCost, TreeCostMeter, make_policy
+    from draftsmith.runtime.policies import HEAD_POLICIES, make_policy
+    from draftsmith.runtime.cost import CostMeter, TreeCost, TreeCostMeter
 
     args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
             "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
@@ -240,9 +241,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
-    from draftsmith.models.loading import load_proposer, load_stop_head
+    from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import HEAD_POLICIES, Static
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
@@ -331,7 +333,8 @@ def oracle_references(runner: Any, proposer: Any, ids: list[list[int]], max_new_
     """What the oracle knows of every prompt in advance: the target's greedy text and the drafter's greedy
     chain after each of its prefixes."""
     from draftsmith.runtime.generate import generate
-    from draftsmith.runtime.policies import Static, oracle_drafts
+    from draftsmith.runtime.policies import Static
+    from draftsmith.eval.oracle import oracle_drafts
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 

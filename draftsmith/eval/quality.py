@@ -38,7 +38,7 @@ def drafter_logits(proposer: Any, ids: list[int], final: torch.Tensor, aux: torc
     """The drafter's logits (P−1, V) teacher-forced on `ids`, in the target's vocabulary (−inf where it cannot
     draft): row t predicts ids[t+1]. A feature drafter reads the target's features `final` (P, H) and `aux`;
     its first prediction is of ids[2], so row 0 is NaN."""
-    if hasattr(proposer, "teacher_forced"):
+    if proposer.drafts:
         return proposer.teacher_forced(ids, final, aux)
     raise TypeError(f"{type(proposer).__name__} has no teacher-forced distribution")
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.models.registry import HEAD_KINDS
 from draftsmith.data.conversations import VAL_FRACTION
 
 # specdec reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
 # token, so only h near 1 lets such a drafter's drafts grow (docs/benchmarks.md, dynamic_length.py)
-GRIDS = {"specdec": [0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99], "disco": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]}
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 
 
@@ -78,8 +78,8 @@ class TuneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in ("specdec", "disco", "confidence"):
-            raise DraftsmithError(f"--policy must be specdec, disco or confidence, got {self.policy!r}")
+        if self.policy not in (*HEAD_KINDS, "confidence"):
+            raise DraftsmithError(f"--policy must be {', '.join(HEAD_KINDS)} or confidence, got {self.policy!r}")
         if self.policy == "confidence" and self.labels is None:
             raise DraftsmithError("--policy confidence tunes on labelled drafts: give --labels (`draftsmith labels`)")
         if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.max_ks or []):
@@ -97,10 +97,11 @@ class TuneConfig:
 
     def grid(self) -> list[tuple[float, int]]:
         """(threshold, maximum length) pairs tried."""
-        thresholds = self.thresholds or GRIDS.get(self.policy, [])
+        head = HEAD_KINDS.get(self.policy)
+        thresholds = self.thresholds or (list(head.grid) if head else [])
         if self.tree is not None:  # a tree round drafts at most its depth
             return [(t, self.tree_shape().depth) for t in thresholds]
-        max_ks = self.max_ks or ([8] if self.policy == "specdec" else [4, 6, 8])
+        max_ks = self.max_ks or (list(head.max_ks) if head else [4, 6, 8])
         return [(t, k) for k in max_ks for t in thresholds]
 
 
@@ -124,7 +125,7 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
         import torch
 
         from draftsmith.data.conversations import split_of
-        from draftsmith.labels import read_labels
+        from draftsmith.data.labels import read_labels
 
         _, rows, ids, chat_of = read_labels(cfg.labels)
         val = torch.tensor([split_of(i, cfg.val_fraction) == "val" for i in ids], dtype=torch.bool)[chat_of]
@@ -142,9 +143,10 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.models.loading import load_proposer, load_stop_head, tuned_key, update_stop_heads
+    from draftsmith.models.loading import tuned_key, update_stop_heads
+    from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
-    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import make_policy
     from draftsmith.runtime.sampling import SamplingConfig
 

@@ -21,8 +21,9 @@ from draftsmith import DraftsmithError
 if TYPE_CHECKING:
     import torch
 
+from draftsmith.models.registry import EAGLE, EAGLE3, FORMATS, HEAD_KINDS, check_format, drafter_kind
+
 # torch, the models and the writers load when an export runs, not when the command map imports ExportConfig
-FORMATS = ("native", "eagle", "eagle3", "speculators")
 
 
 def writers() -> dict[str, Any]:
@@ -32,7 +33,7 @@ def writers() -> dict[str, Any]:
     from draftsmith.export.native import write_native
     from draftsmith.export.speculators import write_speculators
 
-    return {"native": write_native, "eagle": write_eagle, "eagle3": write_eagle3, "speculators": write_speculators}
+    return {"native": write_native, EAGLE.name: write_eagle, EAGLE3.name: write_eagle3, "speculators": write_speculators}
 
 
 @dataclass
@@ -68,24 +69,17 @@ def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3, veri
 
     options = ExportConfig(ckpt_path, fmt, out, speculative_tokens, verifier)  # the settings' checks, stated once
     ckpt = load_checkpoint(ckpt_path)
-    kind = ckpt["draftsmith"]["kind"]
-    if kind in ("specdec", "disco"):  # a stop head goes into its drafter's native export
+    if ckpt["draftsmith"]["kind"] in HEAD_KINDS:  # a stop head goes into its drafter's native export
         from draftsmith.export.heads import export_stop_head
 
         return export_stop_head(ckpt, fmt, out)
-    if kind == "standalone" and fmt != "native":
-        raise DraftsmithError("a standalone draft LM exports as `native` (an ordinary transformers model directory)")
-    if fmt in ("eagle3", "speculators") and kind != "eagle3":
-        raise DraftsmithError(f"--format {fmt} is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter: "
-                              "use --format eagle")
-    if fmt == "eagle" and kind != "eagle":
-        raise DraftsmithError("--format eagle is for EAGLE-1/2/HASS drafters; this is an EAGLE-3 drafter: "
-                              "use --format eagle3 (vLLM, SGLang) or speculators")
+    kind = drafter_kind(ckpt["draftsmith"]["kind"])
+    check_format(kind, fmt)
     module = module_from_checkpoint(ckpt)
     out_dir = Path(out)
     written = writers()[fmt](module, ckpt, out_dir, options)
     error = verify_roundtrip(module, fmt, out_dir)
-    return {"format": fmt, "kind": kind, "out": str(out_dir), "directories": written, "max_logit_error": error,
+    return {"format": fmt, "kind": kind.name, "out": str(out_dir), "directories": written, "max_logit_error": error,
             "checkpoint": ckpt["path"]}
 
 
@@ -107,7 +101,8 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
 
     from draftsmith.models.loading import drafter_from_tensors, load_native, read_export
 
-    if hasattr(module, "student"):  # a standalone draft LM: an ordinary transformers directory
+    kind = module.kind
+    if not kind.reads_features:  # a standalone draft LM: an ordinary transformers directory
         from transformers import AutoModelForCausalLM
 
         reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -121,13 +116,14 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
     if fmt == "native":
         drafter = load_native(out, target)
     else:
-        _, tensors = read_export(out / "vllm" if fmt in ("eagle", "eagle3") else out)
-        drafter = drafter_from_tensors(module.hparams.kind, engine_to_native(tensors), target, module.aux_layer_ids)
+        _, tensors = read_export(out / "vllm" if (out / "vllm").is_dir() else out)  # one engine's copy
+        drafter = drafter_from_tensors(kind.name, engine_to_native(tensors), target, module.aux_layer_ids)
     reference = module.drafter.float().eval()
     g = torch.Generator().manual_seed(0)
     b, t = 2, 8
     ids = torch.randint(0, target.vocab_size, (b, t), generator=g)
-    width = reference.fc.in_features - (reference.config.hidden_size if module.hparams.kind == "eagle" else 0)
+    # what `project` reads: the fused layers (k*Ht), or the final feature beside the token embedding (2H − H)
+    width = reference.fc.in_features - (0 if kind.fused_layers else reference.config.hidden_size)
     feats = torch.randn(b, t, width, generator=g)
     positions = torch.arange(t)[None].expand(b, t)
     causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.export.checkpoint import monitored_records
+from draftsmith.train.checkpoints import monitored_records
 
 LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",

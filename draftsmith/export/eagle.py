@@ -1,4 +1,4 @@
-"""The "eagle" format: EAGLE-1/2 and HASS drafters for vLLM, SGLang and the EAGLE reference code.
+"""The eagle format: EAGLE-1/2 and HASS drafters for vLLM, SGLang and the EAGLE reference code.
 
 Input at position t: concat(embed(x_{t+1}), f_t), embeddings first; f_t the target's post-norm
 last hidden state. One decoder layer without its input norm, no final norm, no head (the
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.models.registry import EAGLE
 from draftsmith.export.common import (check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config,
                                      provenance, save, sizes)
 
@@ -31,7 +32,7 @@ def eagle_tensors(drafter: Any, with_embeddings: bool = True) -> dict[str, torch
 
 def check_eagle(tensors: dict[str, torch.Tensor], s: dict[str, int], where: str) -> None:
     shapes = {**layer_shapes(s, s["H"]), "fc.weight": (s["H"], 2 * s["H"]), "fc.bias": (s["H"],)}
-    check_tensors("eagle", tensors, shapes, {"embed_tokens.weight"}, where)
+    check_tensors(EAGLE.name, tensors, shapes, {"embed_tokens.weight"}, where)
 
 
 def write_eagle(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> list[str]:
@@ -40,7 +41,7 @@ def write_eagle(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> 
     check_eagle(tensors, s, str(out))
     for engine, arch in ENGINES.items():
         config = llama_layer_config(module, arch)
-        config["draftsmith"] = {"kind": "eagle", "target": module.identity["name"],
+        config["draftsmith"] = {"kind": EAGLE.name, "target": module.identity["name"],
                                 "feature": "post-norm last hidden state", "input": "concat(embed, feature)",
                                 "provenance": provenance(ckpt)}
         check_config(config, {"architectures": arch, "num_hidden_layers": 1, "hidden_size": s["H"],

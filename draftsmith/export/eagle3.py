@@ -1,4 +1,4 @@
-"""The "eagle3" format: EAGLE-3 drafters as the flat Llama config vLLM and SGLang read.
+"""The eagle3 format: EAGLE-3 drafters as the flat Llama config vLLM and SGLang read.
 
 Tensors: fc [H, k*Ht] (no bias), the first layer's input/hidden/post-attention norms, attention
 on 2H inputs, the final norm, the pruned head lm_head [Vd, H], d2t int64 [Vd] (target id =
@@ -16,6 +16,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.export.common import (check_config, check_tensors, layer_shapes, layer_tensors, llama_layer_config,
                                      provenance, save, sizes)
+from draftsmith.models.registry import EAGLE3
 
 
 def eagle3_tensors(drafter: Any, with_embeddings: bool = False) -> dict[str, torch.Tensor]:
@@ -33,14 +34,14 @@ def check_eagle3(tensors: dict[str, torch.Tensor], s: dict[str, int], where: str
     shapes = {**layer_shapes(s, 2 * h), "fc.weight": (h, s["k"] * s["Ht"]), "layers.0.input_layernorm.weight": (h,),
               "layers.0.hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (s["Vd"], h),
               "d2t": (s["Vd"],), "t2d": (s["V"],)}
-    check_tensors("eagle3", tensors, shapes, {"embed_tokens.weight"}, where)
+    check_tensors(EAGLE3.name, tensors, shapes, {"embed_tokens.weight"}, where)
     problems = []
     if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
         problems.append(f"d2t dtype {tensors['d2t'].dtype}, expected int64")
     if "t2d" in tensors and (tensors["t2d"].dtype != torch.bool or int(tensors["t2d"].sum()) != s["Vd"]):
         problems.append("t2d must be bool with exactly Vd true entries")
     if problems:
-        raise DraftsmithError(f"{where} breaks the eagle3 contract: " + "; ".join(problems))
+        raise DraftsmithError(f"{where} breaks the {EAGLE3.name} contract: " + "; ".join(problems))
 
 
 def eagle3_config(module: Any, layer_ids: list[int], k: int) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def write_eagle3(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) ->
                               "tie_word_embeddings": False, "norm_before_residual": False,
                               "eagle_config.eagle_aux_hidden_state_layer_ids": layer_ids, "rope_theta": None,
                               "rope_scaling": None}, str(out / engine))
-        config["draftsmith"] = {"kind": "eagle3", "target": module.identity["name"], "provenance": provenance(ckpt),
+        config["draftsmith"] = {"kind": EAGLE3.name, "target": module.identity["name"], "provenance": provenance(ckpt),
                                 "layer_convention": "sglang (hf id - 1)" if engine == "sglang" else "hf_output_hidden_states"}
         save(out / engine, tensors, config)
     return [str(out / "vllm"), str(out / "sglang")]

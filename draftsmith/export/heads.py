@@ -14,9 +14,11 @@ from draftsmith import DraftsmithError
 
 
 def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]:
-    from draftsmith.export.checkpoint import best_scores, module_from_checkpoint
+    from draftsmith.export.checkpoint import module_from_checkpoint
+    from draftsmith.train.checkpoints import best_scores
     from draftsmith.models.heads import head_config
-    from draftsmith.models.loading import load_proposer, load_stop_head, native_config_path, stop_head_mismatch, update_stop_heads
+    from draftsmith.models.loading import native_config_path, update_stop_heads
+    from draftsmith.runtime.loading import load_proposer, load_stop_head, stop_head_mismatch
     from draftsmith.models.target import load_target
 
     kind = ckpt["draftsmith"]["kind"]

@@ -12,22 +12,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.checkpoint import best_scores
+from draftsmith.train.checkpoints import best_scores
 from draftsmith.export.common import provenance, sizes
 from draftsmith.models.loading import NATIVE_FORMAT, STANDALONE_FILE, TOKEN_COUNTS
+from draftsmith.models.registry import drafter_kind
 
 
 def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
-    kind = ckpt["draftsmith"]["kind"]
+    kind = drafter_kind(ckpt["draftsmith"]["kind"])
     best = best_scores(ckpt)
     config = {
-        "format": NATIVE_FORMAT, "kind": kind, "target": module.identity,
+        "format": NATIVE_FORMAT, "kind": kind.name, "target": module.identity,
         "layer_convention": "hf_output_hidden_states",  # id i = output_hidden_states[i]
         "final_feature": "post-norm last hidden state",
         "aux_layer_ids": getattr(module, "aux_layer_ids", []),
         "provenance": {**provenance(ckpt), "hyper_parameters": dict(ckpt["hyper_parameters"]), "best_scores": best},
     }
-    if kind == "standalone":
+    if not kind.reads_features:
         config["model_config"] = module.student.config.to_dict() if hasattr(module.student, "config") else None
     else:
         config["sizes"] = sizes(module)
@@ -42,7 +43,8 @@ def write_native(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) ->
     from draftsmith.export.common import save
 
     config = native_config(module, ckpt)
-    if config["kind"] == "standalone":
+    kind = drafter_kind(config["kind"])
+    if not kind.reads_features:
         student = module.student.merge_and_unload() if hasattr(module.student, "merge_and_unload") else module.student
         student.save_pretrained(out)
         module.student = student
@@ -51,7 +53,6 @@ def write_native(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) ->
             config["token_counts"] = TOKEN_COUNTS
         (out / STANDALONE_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return [str(out)]
-    frozen = ("embed_tokens.weight",) + (("lm_head.weight",) if config["kind"] == "eagle" else ())
-    tensors = {k: v.detach().contiguous() for k, v in module.drafter.state_dict().items() if k not in frozen}
+    tensors = {k: v.detach().contiguous() for k, v in module.drafter.state_dict().items() if k not in kind.frozen}
     save(out, tensors, config)
     return [str(out)]

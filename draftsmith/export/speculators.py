@@ -19,6 +19,7 @@ from typing import Any
 from draftsmith import DraftsmithError
 from draftsmith.export.common import check_config, llama_layer_config, provenance, save, sizes
 from draftsmith.export.eagle3 import check_eagle3, eagle3_tensors
+from draftsmith.models.registry import EAGLE3
 
 
 def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
@@ -55,24 +56,25 @@ def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any
     tensors = eagle3_tensors(module.drafter, with_embeddings=True)
     check_eagle3(tensors, s, str(out))
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
+    algorithm = EAGLE3.speculators_algorithm
     config = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": algorithm,
         "transformer_layer_config": layer, "draft_vocab_size": s["Vd"], "target_hidden_size": s["Ht"],
         "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "algorithm": algorithm, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.speculative_tokens}],
             "verifier": {"name_or_path": verifier_path(module.identity, options.verifier),
                          "architectures": [module.identity["architecture"]]},
         },
         "torch_dtype": "float32",
-        "draftsmith": {"kind": "eagle3", "target": module.identity["name"], "target_identity": module.identity,
+        "draftsmith": {"kind": EAGLE3.name, "target": module.identity["name"], "target_identity": module.identity,
                        "provenance": provenance(ckpt)},
     }
-    check_config(config, {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+    check_config(config, {"architectures": ["Eagle3Speculator"], "speculators_model_type": algorithm,
                           "transformer_layer_config": None, "draft_vocab_size": s["Vd"],
                           "target_hidden_size": s["Ht"], "norm_before_residual": False,
-                          "eagle_aux_hidden_state_layer_ids": ids, "speculators_config.algorithm": "eagle3",
+                          "eagle_aux_hidden_state_layer_ids": ids, "speculators_config.algorithm": algorithm,
                           "speculators_config.default_proposal_method": "greedy",
                           "speculators_config.verifier.name_or_path": None}, str(out))
     methods = [m["proposal_type"] for m in config["speculators_config"]["proposal_methods"]]

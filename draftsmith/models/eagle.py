@@ -21,8 +21,6 @@ from draftsmith.models.common import (cache_kwargs, drafter_config, family_class
 
 
 class EagleDrafter(nn.Module):
-    kind = "eagle"
-
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
         self.config = drafter_config(target_config)
@@ -36,6 +34,14 @@ class EagleDrafter(nn.Module):
         self.lm_head = frozen_linear(head_weight)  # (V, H), the target's
         init_linear_(nn.ModuleList([self.fc, self.layer]), self.config.initializer_range)
         self.draft_to_target: torch.Tensor | None = None  # full vocabulary
+
+    @classmethod
+    def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                    norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None, num_aux: int,
+                    target_hidden_size: int) -> "EagleDrafter":
+        """The constructor every feature drafter kind shares (`models/registry.py`): the target's parts;
+        an EAGLE drafter reads no draft vocabulary, fused layers or final norm."""
+        return cls(target_config, embed_weight, head_weight)
 
     @property
     def vocab_size(self) -> int:

@@ -47,8 +47,6 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
-    kind = "eagle3"
-
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int):
         super().__init__()
@@ -72,6 +70,16 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids)))  # (Vd,) offsets
         self.register_buffer("t2d", t2d)  # (V,)
         self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
+
+    @classmethod
+    def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                    norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None, num_aux: int,
+                    target_hidden_size: int) -> "Eagle3Drafter":
+        """The constructor every feature drafter kind shares (`models/registry.py`); no draft_ids: the
+        target's whole vocabulary."""
+        if draft_ids is None:
+            draft_ids = torch.arange(embed_weight.shape[0])
+        return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size)
 
     @property
     def draft_to_target(self) -> torch.Tensor:

@@ -24,7 +24,6 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 
-HEAD_KINDS = ("specdec", "disco")
 
 
 @dataclass
@@ -177,15 +176,6 @@ def stored_inputs(head: StopHead, rows: dict[str, torch.Tensor]) -> tuple[torch.
     if head.kind == "disco":
         return (features,)
     return (rows["hidden"].float(),) if features is None else (rows["hidden"].float(), features)
-
-
-def build_head(kind: str, config: dict[str, Any]) -> nn.Module:
-    """A head of `kind` from its config dict (as exports and checkpoints store it)."""
-    if kind == "specdec":
-        return AcceptanceHead(AcceptanceHeadConfig(**config))
-    if kind == "disco":
-        return StopClassifier(StopClassifierConfig(**config))
-    raise DraftsmithError(f"unknown stop head {kind!r}; choose one of {HEAD_KINDS}")
 
 
 def head_config(head: nn.Module) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import tokenizer_identity
+from draftsmith.models.tokenizer import tokenizer_identity
 from draftsmith.models.common import quiet_peft
 
 EMBEDDED_TARGETS = {
@@ -272,11 +272,11 @@ def load_target(
     `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
     ("auto", "balanced", or a dict) places a large target across devices with accelerate,
     in which case `device` is ignored. `dtype` "auto" is the type that decodes fastest on `device`
-    (`draftsmith.precision`; batched work resolves its own first); `Target.dtype` says which.
+    (`draftsmith.models.precision`; batched work resolves its own first); `Target.dtype` says which.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.precision import resolve_dtype
+    from draftsmith.models.precision import resolve_dtype
 
     dtype = resolve_dtype(dtype, device, "decode")
     if dtype not in DTYPES:

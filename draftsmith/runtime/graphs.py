@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.generate import TargetRunner
+from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
 DEFAULT_CAPACITY = 1024

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.policies import DraftStep, TreeLevel
+from draftsmith.runtime.steps import DraftStep, TreeLevel
 from draftsmith.runtime.sampling import sample
 
 

@@ -16,6 +16,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear
+from draftsmith.models.registry import STANDALONE
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
@@ -60,6 +61,8 @@ class DistillModule(pl.LightningModule):
         self._target = None
         self.token_counts: torch.Tensor | None = None  # assistant-token counts of the training data (V,)
 
+    kind = STANDALONE
+
     def configure_model(self) -> None:
         if self.student is not None:
             return
@@ -84,7 +87,7 @@ class DistillModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         frozen.strip(checkpoint["state_dict"], self._frozen_key)
-        checkpoint["draftsmith"] = {"target_identity": self.identity, "kind": "standalone"}
+        checkpoint["draftsmith"] = {"target_identity": self.identity, "kind": self.kind.name}
         if self.token_counts is not None:
             checkpoint["draftsmith"]["token_counts"] = self.token_counts
 

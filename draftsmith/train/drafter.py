@@ -15,7 +15,7 @@ Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import pytorch_lightning as pl
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
+from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (feature_regression, head_distillation, loss_tokens, step_weights, target_mix,
@@ -64,8 +65,9 @@ class DrafterModule(pl.LightningModule):
 
     Args:
         target: the target model (as for `draftsmith extract --target`).
-        kind: "eagle" (EAGLE-1/2 and HASS: one layer on [embed; feature], the target's head) or
-            "eagle3" (fused target layers, own norm and a pruned-vocabulary head).
+        kind: a feature drafter kind of `models/registry.py`: eagle (EAGLE-1/2 and HASS: one layer on
+            [embed; feature], the target's head) or eagle3 (fused target layers, own norm and a
+            pruned-vocabulary head).
         aux_layer_ids: target layers fused by EAGLE-3 (default [2, N//2, N-3]).
         draft_vocab_size: EAGLE-3 draft vocabulary Vd (the most frequent assistant tokens); None = full.
         alignment_steps: n, the steps of context alignment / training-time test (1 = plain EAGLE).
@@ -90,7 +92,7 @@ class DrafterModule(pl.LightningModule):
             vocabulary (the CLI links it from the DataModule's `token_counts`).
     """
 
-    def __init__(self, target: str, kind: Literal["eagle", "eagle3"] = "eagle", aux_layer_ids: list[int] | None = None,
+    def __init__(self, target: str, kind: str = EAGLE.name, aux_layer_ids: list[int] | None = None,
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10,
@@ -101,13 +103,20 @@ class DrafterModule(pl.LightningModule):
         super().__init__()
         if alignment_steps < 1:
             raise DraftsmithError(f"alignment_steps must be >= 1, got {alignment_steps}")
-        if kind == "eagle3" and feature_weight and topk_weight == 0 and ce_weight == 0:
-            raise DraftsmithError("EAGLE-3 has no feature regression: set ce_weight or topk_weight > 0")
+        entry = drafter_kind(kind)
+        if not entry.reads_features:
+            raise DraftsmithError(f"DrafterModule trains feature drafters; {entry.title} trains with {entry.trainer}")
+        if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0:
+            raise DraftsmithError(f"{entry.title} has no feature regression: set ce_weight or topk_weight > 0")
         self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
         self.online, self.count_tokens = online, count_tokens
         self.drafter: torch.nn.Module | None = None
         self.val_metric = DraftAcceptance(alignment_steps, metric_top_k)
         self._target = None  # the frozen target, kept out of the module tree (never in an optimizer)
+
+    @property
+    def kind(self) -> DrafterKind:
+        return drafter_kind(self.hparams.kind)
 
     # --- construction ----------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -116,21 +125,15 @@ class DrafterModule(pl.LightningModule):
         target, self.identity = load_frozen_target(self.hparams.target, self.hparams.target_dtype)
         head = target.lm_head.weight.detach()
         embed = target.embed_tokens.weight.detach()
-        if self.hparams.kind == "eagle":
-            from draftsmith.models.eagle import EagleDrafter
-
-            self.drafter = EagleDrafter(target.config, embed, head)
-            self.target_head = self.drafter.lm_head
-            self.aux_layer_ids = []
-        else:
-            from draftsmith.models.eagle3 import Eagle3Drafter
-
-            self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids())
-            draft_ids = self._draft_ids(target)
-            norm = getattr(target.decoder, "norm", None)
-            self.drafter = Eagle3Drafter(target.config, embed, head, norm.weight if norm is not None else None,
-                                         draft_ids, len(self.aux_layer_ids), target.hidden_size)
-            self.target_head = frozen_linear(head)
+        kind = self.kind
+        self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids()) \
+            if kind.fused_layers else []
+        norm = getattr(target.decoder, "norm", None)
+        self.drafter = kind.model_class.from_target(target.config, embed, head, norm.weight if norm is not None else None,
+                                                    self._draft_ids(target) if kind.pruned_vocab else None,
+                                                    len(self.aux_layer_ids), target.hidden_size)
+        # the target's full-vocabulary head, for the distillation targets (a shared head is the drafter's own)
+        self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)
         if self.online:
             self._target = target
         self.drafter.to(self.device)
@@ -170,7 +173,7 @@ class DrafterModule(pl.LightningModule):
 
     def _frozen_key(self, key: str) -> bool:
         """Target parts: the embedding, the full-vocabulary head, and an EAGLE drafter's (shared) head."""
-        return key.startswith(FROZEN_PREFIXES) or (key == "drafter.lm_head.weight" and self.hparams.kind == "eagle")
+        return key.startswith(FROZEN_PREFIXES) or key.removeprefix("drafter.") in self.kind.frozen
 
     # --- the alignment forward shared by training and validation ------------------------------------
     def _features(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -216,7 +219,8 @@ class DrafterModule(pl.LightningModule):
         weight = self.drafter.lm_head.weight  # (V or Vd, H)
         mass, mix = target_mix(table, weight, h.ce_weight, h.topk_weight, min(h.topk, table.shape[-1]))
         feature = self.drafter.project(final[:, :-1], aux[:, :-1] if aux is not None else None)
-        if self.training and h.kind == "eagle":
+        regresses = self.kind.regresses_features
+        if self.training and regresses:
             feature = uniform_noise(feature, h.feature_noise)
         weights = step_weights(h.alignment_steps, h.step_weight_decay)
         hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, h.alignment_steps, h.detach_steps)
@@ -230,7 +234,7 @@ class DrafterModule(pl.LightningModule):
             x = self.drafter.head_input(picked)
             parts[f"distill_{j}"] = head_distillation(x, weight, mass[rows], mix[rows], every)
             loss = parts[f"distill_{j}"]
-            if h.kind == "eagle" and h.feature_weight:
+            if regresses and h.feature_weight:
                 parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
                 loss = loss + h.feature_weight * parts[f"feature_{j}"]
             total = total + weights[j] * loss

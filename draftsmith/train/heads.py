@@ -28,7 +28,8 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError, Bin
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
-from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, build_head, head_config, stored_inputs
+from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, head_config, stored_inputs
+from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC, HeadKind, head_kind
 from draftsmith.train.optim import adamw_warmup_cosine
 
 LABELS = ("soft", "hard")
@@ -59,7 +60,7 @@ class LabelDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.run is not None:
             return
-        from draftsmith.labels import read_labels
+        from draftsmith.data.labels import read_labels
 
         self.run, self.rows, ids, chat_of = read_labels(self.labels)
         keep = torch.ones(len(chat_of), dtype=torch.bool)
@@ -123,14 +124,14 @@ class StopHeadModule(pl.LightningModule):
         count_tokens: unused; the CLI links it for every recipe.
     """
 
-    def __init__(self, target: str, kind: str = "specdec", label: str = "soft", num_layers: int = 3, normalize: bool = True,
+    def __init__(self, target: str, kind: str = SPECDEC.name, label: str = "soft", num_layers: int = 3, normalize: bool = True,
                  draft_features: int = 0, top_k: int = 10, width: int = 64, rejection_weight: float = 6.0,
                  mixing_ratio: float = 0.15, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 20,
                  min_lr_ratio: float = 0.1, online: bool = False, count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["online", "count_tokens"])
-        if kind not in ("specdec", "disco"):
-            raise DraftsmithError(f"--model.kind must be specdec or disco, got {kind!r}")
+        if kind not in HEAD_KINDS:
+            raise DraftsmithError(f"--model.kind must be {' or '.join(HEAD_KINDS)}, got {kind!r}")
         if label not in LABELS:
             raise DraftsmithError(f"--model.label must be one of {LABELS}, got {label!r}")
         if rejection_weight <= 0 or not 0 <= mixing_ratio < 1:
@@ -141,20 +142,24 @@ class StopHeadModule(pl.LightningModule):
                                                 "ece": BinaryCalibrationError(n_bins=10)})
         self.val_means = torch.nn.ModuleDict({k: MeanMetric() for k in ("loss", "bce", "kl", "predicted", "label")})
 
+    @property
+    def kind(self) -> HeadKind:
+        return head_kind(self.hparams.kind)
+
     def build(self, labels_run: dict[str, Any]) -> None:
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
         h = self.hparams
-        if h.kind == "specdec":
+        if h.kind == SPECDEC.name:
             config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize,
                                           h.draft_features)
         else:
             config = StopClassifierConfig(h.top_k, h.width, h.rejection_weight)
         if config.probabilities > labels_run["top_k"]:
-            option = "top_k" if h.kind == "disco" else "draft_features"
+            option = "top_k" if h.kind == DISCO.name else "draft_features"
             raise DraftsmithError(f"--model.{option} {config.probabilities}: the labels keep {labels_run['top_k']} "
                                   "probabilities per token")
         self.labels_run = labels_run
-        self.head = build_head(h.kind, asdict(config))
+        self.head = self.kind.build(asdict(config))
 
     def setup(self, stage: str) -> None:
         if self.head is not None:

@@ -2,7 +2,7 @@
 
 `precision: auto` (the CPU recipes' setting) becomes "bf16-mixed" where bf16 runs a training
 batch's matrix products faster than float32 on the trainer's accelerator, else "32-true"
-(`draftsmith.precision` measures which; the choice is printed)."""
+(`draftsmith.models.precision` measures which; the choice is printed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 from lightning_fabric.connector import _PRECISION_INPUT
 
-from draftsmith.precision import resolve_precision
+from draftsmith.models.precision import resolve_precision
 
 
 class Trainer(pl.Trainer):

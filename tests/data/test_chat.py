@@ -3,7 +3,8 @@ from collections import Counter
 import pytest
 
 from draftsmith import DraftsmithError
-from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many, tokenizer_hash, tokenizer_identity
+from draftsmith.data.chat import MaskAudit, tokenize_chat, tokenize_many
+from draftsmith.models.tokenizer import tokenizer_hash, tokenizer_identity
 from draftsmith.data.conversations import Conversation
 from tests.conftest import CHATML, LLAMA2, LLAMA3, make_tokenizer
 

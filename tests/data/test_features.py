@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.data.features import FeatureReader, build_manifest, claim_directory, write_shard
+from draftsmith.data.features import FeatureReader, build_manifest, write_shard
+from draftsmith.data.shards import claim_directory
 from draftsmith.data.modules import FeatureDataModule, LengthBatchSampler, pad_collate
 
 H = 8
@@ -24,7 +25,7 @@ def write_fake(out, num_shards, per_shard=4, seed=0):
     """Shards of random records whose features encode (shard, record) for checking."""
     g = torch.Generator().manual_seed(seed)
     run = fake_run()
-    claim_directory(out, run)
+    claim_directory(out, run, "features")
     for s in range(num_shards):
         records = []
         for r in range(per_shard):
@@ -61,11 +62,11 @@ def test_manifest_refuses_missing_or_foreign_shards(tmp_path):
     with pytest.raises(DraftsmithError, match="1 of 3 shards missing"):
         build_manifest(tmp_path, 3, None)
     with pytest.raises(DraftsmithError, match="tokenizer_hash: 'abc' there, 'zzz' here"):
-        claim_directory(tmp_path, fake_run(tokenizer_hash="zzz"))
+        claim_directory(tmp_path, fake_run(tokenizer_hash="zzz"), "features")
     # a shard copied in from another run is caught when the manifest is built
     other = tmp_path / "other"
     other_run = fake_run(max_length=32)
-    claim_directory(other, other_run)
+    claim_directory(other, other_run, "features")
     write_shard(other, 2, [], {"run": other_run, "skipped": {}, "truncated": {}}, [1], H, torch.float32)
     (other / "shard-000002.safetensors").rename(tmp_path / "shard-000002.safetensors")
     with pytest.raises(DraftsmithError, match="made differently.*max_length"):

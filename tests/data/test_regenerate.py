@@ -5,7 +5,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import load_conversations, split_of
-from draftsmith.data.regenerate import RegenerateConfig, regenerate
+from draftsmith.jobs.regenerate import RegenerateConfig, regenerate
 from draftsmith.models.target import load_target
 from tests.conftest import make_llama, make_tokenizer, run_cli
 

@@ -18,9 +18,10 @@ from tests.train.test_fit import tiny_features  # noqa: F401
 def test_teacher_forced_drafts_are_the_runtimes_own():
     """The teacher-forced q at a prefix is the distribution the runtime drafts from after that prefix."""
     from draftsmith.models.eagle import EagleDrafter
-    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
-    from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
+    from draftsmith.runtime.proposers import FeatureProposer
+    from draftsmith.runtime.standalone import ModelProposer
     from tests.conftest import make_llama
     from tests.runtime.conftest import V
 

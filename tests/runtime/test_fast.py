@@ -11,7 +11,8 @@ import draftsmith.runtime.kernels as kernels
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer
 from draftsmith.runtime.cache import SlabLayer, StaticKV, decoding_cache
-from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.kernels import PackedLinears
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer

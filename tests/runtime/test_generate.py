@@ -10,9 +10,13 @@ import torch
 from draftsmith.models.common import cache_kwargs
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
-from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import Confidence, CostAware, Heuristic, Oracle, Static, oracle_drafts
-from draftsmith.runtime.proposers import FeatureProposer, ModelProposer, NoProposer
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.policies import Confidence, Heuristic, Oracle, Static
+from draftsmith.runtime.cost import CostAware
+from draftsmith.eval.oracle import oracle_drafts
+from draftsmith.runtime.proposers import FeatureProposer, NoProposer
+from draftsmith.runtime.standalone import ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig, distributions
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases

@@ -11,9 +11,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner, compile_blocks
-from draftsmith.runtime.policies import CostAware, Static
+from draftsmith.runtime.cost import CostAware
+from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import DraftTree, TreeShape

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.labels import label_chat
+from draftsmith.jobs.labels import label_chat
 from draftsmith.models.heads import AcceptanceHead, AcceptanceHeadConfig, StopClassifier, StopClassifierConfig
-from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import AcceptanceStop, ClassifierStop, Confidence, DraftStep, Static
-from draftsmith.runtime.proposers import ModelProposer
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.policies import AcceptanceStop, ClassifierStop, Confidence, Static
+from draftsmith.runtime.steps import DraftStep
+from draftsmith.runtime.standalone import ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import TreeShape
 from tests.conftest import make_llama

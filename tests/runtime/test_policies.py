@@ -4,9 +4,12 @@ import pytest
 import torch
 
 from draftsmith.eval.evaluate import EvalConfig, policy_factory
-from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import CostAware, CostMeter, DraftStep
-from draftsmith.runtime.proposers import ModelProposer, NoProposer
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.cost import CostAware, CostMeter
+from draftsmith.runtime.steps import DraftStep
+from draftsmith.runtime.proposers import NoProposer
+from draftsmith.runtime.standalone import ModelProposer
 from tests.runtime.conftest import V
 
 

@@ -112,7 +112,8 @@ def test_token_specific_samples_follow_pi(rule):
 def test_decoding_modes_through_the_runtime(target):
     """At α = 0 every mode is exact decoding (greedy: the target's own output); a cascade that never defers
     accepts every drafted token; a lenient token rule accepts more of a wrong drafter's tokens than exact."""
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.targets import target_rule
     from tests.runtime.test_generate import proposers
@@ -210,9 +211,10 @@ def test_decoded_sequences_follow_the_sequential_law_of_pi(mode, rule, alpha):
     average above the degrees of freedom), or the test would prove nothing about the rule."""
     from collections import Counter
 
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
-    from draftsmith.runtime.proposers import ModelProposer
+    from draftsmith.runtime.standalone import ModelProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from tests.conftest import make_llama
 
@@ -264,7 +266,8 @@ def test_bild_fallback_through_the_runtime(target):
     """A fallback threshold no drafted token reaches leaves every token to the target (its own greedy text,
     nothing drafted); with threshold 0 every round drafts what the policy allows; the rollback floor at α = 0
     takes nothing the target does not give probability 1, so the text stays the target's."""
-    from draftsmith.runtime.generate import TargetRunner, generate
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from tests.runtime.test_generate import proposers
 

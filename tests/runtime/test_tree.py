@@ -8,9 +8,11 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.eagle import EagleDrafter
-from draftsmith.runtime.generate import TargetRunner, generate
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.policies import ClassifierStop, Static
-from draftsmith.runtime.proposers import FeatureProposer, ModelProposer
+from draftsmith.runtime.proposers import FeatureProposer
+from draftsmith.runtime.standalone import ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, graft, lookup_continuation,
                                      tree_attention_mask, verify_tree)

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from draftsmith.runtime.generate import TargetRunner, generate
-from draftsmith.runtime.policies import TreeCost, TreeCostMeter, TreeLevel
+from draftsmith.runtime.generate import generate
+from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.cost import TreeCost, TreeCostMeter
+from draftsmith.runtime.steps import TreeLevel
 from draftsmith.runtime.tree import TreeShape, build_tree, prune
 from tests.runtime.conftest import greedy_cases
 from tests.runtime.test_tree import feature_proposers

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from draftsmith import DraftsmithError
-from draftsmith.extract import ExtractConfig, extract
+from draftsmith.jobs.extract import ExtractConfig, extract
 from tests.conftest import run_cli, sample_chats, save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def trained_state(ckpt):
 
 
 def test_fit_logs_tau_per_validation_and_keeps_the_target_frozen(tiny_features, tmp_path):
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40,
                                                 aux_layer_ids=[0, 1, 2]))], run=False)
@@ -85,7 +85,7 @@ def test_fit_logs_tau_per_validation_and_keeps_the_target_frozen(tiny_features, 
 KILL_AT_STEP_4 = textwrap.dedent("""
     import os, signal, sys
     import pytorch_lightning as pl
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
     class Die(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 4:
@@ -118,7 +118,7 @@ def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_p
 def test_a_shipped_recipe_killed_between_validations_resumes_from_its_last_steps(tiny_features, tmp_path):
     """A recipe's last.ckpt follows the steps, not the best validation: killed at step 4, with validations
     at steps 3 and 6 and last.ckpt every 2 steps, the run resumes at step 4 and keeps its best record."""
-    from draftsmith.export.checkpoint import best_checkpoint
+    from draftsmith.train.checkpoints import best_checkpoint
 
     shipped = yaml.safe_load((ROOT / "recipes/smollm2-135m/hass-cpu.yaml").read_text())["trainer"]["callbacks"]
     callbacks = [cb for cb in shipped if cb["class_path"].endswith("ModelCheckpoint")]
@@ -184,7 +184,7 @@ def test_a_recipe_as_shipped_resumes_with_ckpt_path_last(tiny_features, tmp_path
 def test_draftsmith_run_resuming_keeps_the_checkpoints_beside_its_last(tiny_features, tmp_path, monkeypatch):
     """`draftsmith run` finds last.ckpt itself and hands it to lightning_cli(resume=...): the resumed run's
     ModelCheckpoints write beside it, under the dirpath it recorded (relative, as Lightning records it)."""
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     monkeypatch.chdir(tmp_path)
     path = shipped_layout(tiny_features, tmp_path, "run")
@@ -239,7 +239,7 @@ def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp
 
 
 def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path)), "--trainer.max_steps", "1"], run=False)
     cli.model.configure_model()
@@ -250,7 +250,7 @@ def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
 
 
 def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_path):
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[1, 2])),
                          "--trainer.max_steps", "2", "--data", "draftsmith.data.modules.ChatDataModule",
@@ -277,7 +277,7 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     import logging
     import warnings
 
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     records = []
     handler = logging.Handler(logging.INFO)
@@ -299,7 +299,7 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
 
 
 def test_default_root_dir_moves_the_recipe_logger_unless_the_logger_is_given(tiny_features, tmp_path):
-    from draftsmith.cli import lightning_cli
+    from draftsmith.train.cli import lightning_cli
 
     config = str(recipe(tiny_features, tmp_path))
     moved = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved")], run=False)

@@ -153,9 +153,10 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.features import build_manifest, claim_directory, recorded, shard_name, write_shard
+    from draftsmith.data.features import build_manifest, shard_name, write_shard
+    from draftsmith.data.shards import claim_directory, recorded
     from draftsmith.models.target import load_target
-    from draftsmith.precision import resolve_dtype
+    from draftsmith.models.precision import resolve_dtype
 
     out = Path(cfg.out)
     # one type for the whole directory: an interrupted run's, else the one chosen here, before the workers
@@ -188,10 +189,10 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         "shard_size": cfg.shard_size,
     }
     if rank == 0:
-        claim_directory(out, run)
+        claim_directory(out, run, "features")
     barrier()
     if rank != 0:
-        claim_directory(out, run)
+        claim_directory(out, run, "features")
 
     num_parts = math.ceil(len(convs) / cfg.shard_size)
     existing = sum((out / shard_name(p)).exists() for p in range(num_parts))

@@ -126,7 +126,7 @@ def _decode_run(weights: list[Any]) -> Any:
     """One pass of 1 row and one of 8 rows through every weight, on the runtime's packed weights when it packs."""
     import torch
 
-    from draftsmith.runtime.kernels import pack, packable, packed_linear
+    from draftsmith.models.packing import pack, packable, packed_linear
 
     dtype = weights[0].dtype
     xs = [torch.ones(rows, weights[0].shape[1], dtype=dtype) for rows in DECODE_ROWS]

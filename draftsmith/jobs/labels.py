@@ -25,9 +25,7 @@ run.json naming the drafter and the target; a rerun resumes after the finished s
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -39,10 +37,7 @@ from draftsmith import DraftsmithError
 if TYPE_CHECKING:
     import torch
 
-LABELS_FORMAT = "draftsmith-labels/1"
 CHAINS = ("greedy", "sample")
-ROW_FIELDS = ("anchor", "depth", "hidden", "top_probs", "entropy", "token_greedy", "token_sampled", "q_greedy",
-              "q_sampled", "p_greedy", "p_sampled", "target_argmax", "soft", "hard", "reached")
 
 
 @dataclass
@@ -158,61 +153,6 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
     return out
 
 
-def shard_name(part: int) -> str:
-    return f"labels-{part:06d}.safetensors"
-
-
-def write_label_shard(out: Path, part: int, chats: list[tuple[str, dict[str, torch.Tensor]]], meta: dict[str, Any],
-                      hidden_dtype: torch.dtype) -> None:
-    """One shard, written under a temporary name and renamed when whole."""
-    import torch
-
-    from safetensors.torch import save_file
-
-    rows = [r for _, r in chats]
-    counts = [len(r["depth"]) for r in rows]
-    tensors = {"offsets": torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)}
-    types = {"hidden": hidden_dtype, "top_probs": torch.float32, "entropy": torch.float32, "anchor": torch.int32,
-             "depth": torch.uint8, "token_greedy": torch.int32, "token_sampled": torch.int32, "target_argmax": torch.int32,
-             "hard": torch.uint8, "reached": torch.uint8}
-    for name in ROW_FIELDS:
-        dtype = types.get(name, torch.float32)
-        tensors[name] = torch.cat([r[name].to(dtype) for r in rows]).contiguous() if rows else torch.zeros(0, dtype=dtype)
-    meta = {**meta, "part": part, "ids": [i for i, _ in chats], "num_rows": sum(counts)}
-    final = out / shard_name(part)
-    tmp = out / f".{final.name}.tmp.{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta)})
-    os.replace(tmp, final)
-
-
-def read_labels(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str], torch.Tensor]:
-    """(run description, rows {field: (N, ...)}, chat ids, chat of each row (N,)) of a finished label directory."""
-    import torch
-
-    from safetensors import safe_open
-
-    directory = Path(directory)
-    manifest_path = directory / "manifest.json"
-    if not manifest_path.exists():
-        what = "labelling has not finished: rerun `draftsmith labels` with the same options" if (directory / "run.json").exists() \
-            else "no labels here: make them with `draftsmith labels`"
-        raise DraftsmithError(f"{directory}: {what}")
-    manifest = json.loads(manifest_path.read_text())
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_FIELDS}
-    ids: list[str] = []
-    chat_of: list[torch.Tensor] = []
-    for name in manifest["shards"]:
-        with safe_open(str(directory / name), framework="pt") as f:
-            meta = json.loads(f.metadata()["draftsmith"])
-            offsets = f.get_tensor("offsets")
-            for k in ROW_FIELDS:
-                parts[k].append(f.get_tensor(k))
-        chat_of.append(torch.repeat_interleave(torch.arange(len(ids), len(ids) + len(meta["ids"])), offsets.diff()))
-        ids += meta["ids"]
-    rows = {k: torch.cat(v) for k, v in parts.items()}
-    return manifest["run"], rows, ids, torch.cat(chat_of) if chat_of else torch.zeros(0, dtype=torch.long)
-
-
 def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     """Label every chat of cfg.data into cfg.out, resuming after finished shards; returns the manifest."""
     import torch
@@ -224,11 +164,13 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.features import claim_directory, recorded, write_json_atomic
-    from draftsmith.models.loading import drafter_identity, load_proposer
+    from draftsmith.data.labels import LABELS_FORMAT, PREFIX, label_manifest, shard_name, write_label_shard
+    from draftsmith.data.shards import claim_directory, recorded, remove_stale
+    from draftsmith.files import write_json_atomic
+    from draftsmith.runtime.loading import drafter_identity, load_proposer
     from draftsmith.models.target import load_target
-    from draftsmith.precision import resolve_dtype
-    from draftsmith.runtime.generate import TargetRunner
+    from draftsmith.models.precision import resolve_dtype
+    from draftsmith.runtime.runner import TargetRunner
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
@@ -237,7 +179,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     dtype = resolve_dtype(cfg.dtype, cfg.device, "decode", recorded(out, "dtype"))
     target = load_target(cfg.target, dtype=dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    if type(proposer).__name__ == "NoProposer":
+    if not proposer.drafts:
         raise DraftsmithError("--drafter: labels need a drafter export")
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     feature_drafter = getattr(proposer, "drafter", None)
@@ -249,10 +191,9 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
            "max_positions": cfg.max_positions, "data": {"source": cfg.data, "limit": cfg.limit},
            "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": dtype,
            "hidden_dtype": cfg.hidden_dtype, "seed": cfg.seed}
-    claim_directory(out, run)
+    claim_directory(out, run, "labels")
     num_parts = math.ceil(len(convs) / cfg.shard_size)
-    for stale in out.glob(".labels-*.tmp.*"):
-        stale.unlink(missing_ok=True)
+    remove_stale(out, PREFIX)
     todo = [p for p in range(num_parts) if not (out / shard_name(p)).exists()]
     first = 1 if proposer.needs_features else 0  # a feature drafter's chain needs one anchor before it
     started, rows_done = time.perf_counter(), 0
@@ -281,25 +222,3 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     manifest["this_run"] = {"seconds": round(time.perf_counter() - started, 1), "shards_written": len(todo)}
     write_json_atomic(out / "manifest.json", manifest)
     return manifest
-
-
-def label_manifest(out: Path, num_parts: int, run: dict[str, Any]) -> dict[str, Any]:
-    """Totals over the shards, with the labelled acceptance by depth (a drafter's α_j on this data)."""
-    import torch
-
-    from safetensors import safe_open
-
-    chats, hard, soft, reached, total = 0, None, None, None, None
-    for p in range(num_parts):
-        with safe_open(str(out / shard_name(p)), framework="pt") as f:
-            chats += len(json.loads(f.metadata()["draftsmith"])["ids"])
-            depth = f.get_tensor("depth").long() - 1
-            k = run["k_max"]
-            add = lambda x: torch.zeros(k, dtype=torch.float64).index_add_(0, depth, x.double())  # noqa: E731
-            h, s, r, n = add(f.get_tensor("hard")), add(f.get_tensor("soft")), add(f.get_tensor("reached")), add(torch.ones(len(depth)))
-            hard, soft, reached, total = (h, s, r, n) if hard is None else (hard + h, soft + s, reached + r, total + n)
-    n = total.clamp_min(1)
-    return {"run": run, "shards": [shard_name(p) for p in range(num_parts)], "num_chats": chats,
-            "num_rows": int(total.sum()) if total is not None else 0,
-            "by_depth": {"rows": total.long().tolist(), "hard": (hard / n).tolist(), "soft": (soft / n).tolist(),
-                         "reached": (reached / n).tolist()}}

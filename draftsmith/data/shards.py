@@ -1,0 +1,101 @@
+"""The one shard format features and labels share: a directory of safetensors shards.
+
+A shard directory holds:
+- `run.json`: what every shard in it is made with, written by the first run and checked by
+  every later one (`claim_directory`), so shards made differently never mix;
+- `<prefix>-NNNNNN.safetensors`: one fixed slice of the conversations, tensors concatenated
+  over its records with `offsets` (R+1,) marking each record's rows; its metadata "draftsmith"
+  holds the record ids and what the slice skipped;
+- `manifest.json`: the totals, written once every shard exists.
+
+Shards are written atomically (`draftsmith.files`), so a crash leaves a whole shard or none and
+a rerun resumes after the shards that exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import DraftsmithError
+from draftsmith.files import save_tensors_atomic, write_json_atomic
+
+RUN_FILE, MANIFEST_FILE = "run.json", "manifest.json"
+
+
+def shard_name(prefix: str, part: int) -> str:
+    return f"{prefix}-{part:06d}.safetensors"
+
+
+def offsets(counts: list[int]) -> torch.Tensor:
+    """(R+1,) int64 start rows of R records of `counts` rows each."""
+    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write one shard atomically, `meta` (JSON) in its metadata."""
+    save_tensors_atomic({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"draftsmith": json.dumps(meta)})
+    return path
+
+
+def shard_meta(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["draftsmith"])
+
+
+def remove_stale(out: Path, prefix: str) -> None:
+    """Delete the temporary files a killed run left (shards are owned by one writer at a time)."""
+    for stale in out.glob(f".{prefix}-*.tmp.*"):
+        stale.unlink(missing_ok=True)
+
+
+def comparable_run(run: dict[str, Any]) -> dict[str, Any]:
+    """The part of a run description that must agree for shards to mix (not the target's name)."""
+    out = {k: v for k, v in run.items() if k != "target"}
+    out["target"] = {k: v for k, v in run["target"].items() if k != "name"}
+    return out
+
+
+def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    from draftsmith.models.target import identity_differences
+
+    a, b = comparable_run(mine), comparable_run(theirs)
+    diffs = [f"target.{d}" for d in identity_differences(b["target"], a["target"], ignore=())]
+    diffs += [f"{k}: {b.get(k)!r} there, {a[k]!r} here" for k in a if k != "target" and a[k] != b.get(k)]
+    return diffs
+
+
+def recorded(out: Path, key: str) -> Any:
+    """What an earlier run into `out` recorded under `key` in its run record (None: no run there yet)."""
+    path = out / RUN_FILE
+    return json.loads(path.read_text()).get(key) if path.is_file() else None
+
+
+def claim_directory(out: Path, run: dict[str, Any], what: str) -> None:
+    """Create `out` for this run, or check that the `what` (features, labels) already there were made the same way."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RUN_FILE
+    if not path.exists():
+        write_json_atomic(path, run)
+        return
+    diffs = run_mismatch(run, json.loads(path.read_text()))
+    if diffs:
+        raise DraftsmithError(
+            f"{out} holds {what} made differently ({'; '.join(diffs)}); "
+            "refusing to mix them: choose another --out, or delete that directory to start over"
+        )
+
+
+def read_manifest(directory: str | Path, what: str, unfinished: str, missing: str) -> dict[str, Any]:
+    """manifest.json of a finished shard directory of `what`; the error says `unfinished` where a run
+    started there and has not finished, `missing` where none did."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        hint = unfinished if (Path(directory) / RUN_FILE).exists() else missing
+        raise DraftsmithError(f"no {what} manifest at {path}: {hint}")
+    return json.loads(path.read_text())

@@ -1,0 +1,45 @@
+"""Files written whole or not at all: a reader never sees half a shard, manifest or export.
+
+Each writer writes under a temporary name in the same directory and renames it into place
+(`os.replace` is atomic on one filesystem); a crash leaves the old file or none, and a
+`.NAME.tmp.PID` that the next run may delete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp:` write tmp (a file or a directory); it becomes `p` when the block ends
+    without an exception, and is removed otherwise."""
+    import shutil
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_tensors_atomic(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)

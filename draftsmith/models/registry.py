@@ -1,0 +1,161 @@
+"""The kinds draftsmith trains: one entry per drafter kind and per stop-head kind.
+
+An entry is everything the rest of draftsmith needs to know about a kind — which model class
+drafts, which LightningModule trains it, which of its tensors are the target's own (left out of
+checkpoints and exports, restored from the target), the export formats it writes, the target
+features it reads — so that training, export, loading and evaluation ask the entry rather than
+test the kind's name. A new kind is a new model file and one entry here.
+
+Classes are named by their import path and imported when first asked for: this module sits at
+the bottom of the import layers (models) and names classes of the layers above it (train) without
+importing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+from draftsmith import DraftsmithError
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(import_module(module), name)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter.
+
+    Attributes:
+        name: the kind's name in recipes (`model.init_args.kind`), checkpoints and exports.
+        title: what a message calls one drafter of the kind ("an EAGLE-3 drafter").
+        model: the drafting nn.Module (`module:Class`); a feature drafter's class builds itself from a
+            target with `from_target`. None for a standalone draft LM (a transformers model).
+        trainer: the LightningModule that trains it.
+        formats: the export formats it is written in, draftsmith's own (native) first.
+        frozen: the drafter's tensors that are the target's (its embedding, and its head where it shares
+            the target's), left out of exports and restored from the target.
+        reads_features: it drafts from the target's hidden states (else it is a standalone LM).
+        fused_layers: it reads fused intermediate target layers (`aux_layer_ids`), not only the final feature.
+        regresses_features: it is trained to predict the next feature too (smooth-L1), with feature noise.
+        pruned_vocab: its head drafts over a draft vocabulary (`d2t`) rather than the target's.
+        speculators_algorithm: the `speculators` package's name for the kind (its model type and
+            algorithm), where that package defines one.
+    """
+
+    name: str
+    title: str
+    model: str | None
+    trainer: str
+    formats: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
+    reads_features: bool = True
+    fused_layers: bool = False
+    regresses_features: bool = False
+    pruned_vocab: bool = False
+    speculators_algorithm: str | None = None
+
+    @property
+    def model_class(self) -> Any:
+        return _load(self.model) if self.model else None
+
+    @property
+    def trainer_class(self) -> Any:
+        return _load(self.trainer)
+
+    def engine_formats(self) -> tuple[str, ...]:
+        return tuple(f for f in self.formats if f != "native")
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """One kind of stop head: a classifier that decides, token by token, whether to go on drafting.
+
+    Attributes:
+        name: the kind's name, which is also the `--policy` that decodes with it.
+        title: what a message calls it.
+        model: the head's nn.Module (`module:Class`), built from its config dataclass `config`.
+        config: the head's config dataclass (`module:Class`), as checkpoints and exports store it.
+        trainer: the LightningModule that trains it.
+        grid: the thresholds `draftsmith tune` tries.
+        max_ks: the maximum draft lengths `draftsmith tune` tries with them.
+    """
+
+    name: str
+    title: str
+    model: str
+    config: str
+    trainer: str
+    grid: tuple[float, ...]
+    max_ks: tuple[int, ...]
+
+    @property
+    def trainer_class(self) -> Any:
+        return _load(self.trainer)
+
+    def build(self, config: dict[str, Any]) -> Any:
+        """The head from its stored config."""
+        return _load(self.model)(_load(self.config)(**config))
+
+
+EAGLE = DrafterKind(
+    name="eagle", title="an EAGLE-1/2/HASS drafter", model="draftsmith.models.eagle:EagleDrafter",
+    trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "eagle"),
+    frozen=("embed_tokens.weight", "lm_head.weight"), regresses_features=True)
+EAGLE3 = DrafterKind(
+    name="eagle3", title="an EAGLE-3 drafter", model="draftsmith.models.eagle3:Eagle3Drafter",
+    trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "eagle3", "speculators"),
+    frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True,
+    speculators_algorithm="eagle3")
+STANDALONE = DrafterKind(
+    name="standalone", title="a standalone draft LM", model=None, trainer="draftsmith.train.distill:DistillModule",
+    formats=("native",), reads_features=False)
+
+DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, STANDALONE)}
+
+SPECDEC = HeadKind(
+    name="specdec", title="SpecDec++ acceptance head", model="draftsmith.models.heads:AcceptanceHead",
+    config="draftsmith.models.heads:AcceptanceHeadConfig", trainer="draftsmith.train.heads:StopHeadModule",
+    grid=(0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99), max_ks=(8,))
+DISCO = HeadKind(
+    name="disco", title="DISCO stop classifier", model="draftsmith.models.heads:StopClassifier",
+    config="draftsmith.models.heads:StopClassifierConfig", trainer="draftsmith.train.heads:StopHeadModule",
+    grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), max_ks=(4, 6, 8))
+
+HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (SPECDEC, DISCO)}
+
+# every export format, in the order `--help` lists them; each kind names the ones it writes
+FORMATS: tuple[str, ...] = tuple(dict.fromkeys(f for k in DRAFTER_KINDS.values() for f in k.formats))
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    if name not in DRAFTER_KINDS:
+        raise DraftsmithError(f"unknown drafter kind {name!r}; choose one of {sorted(DRAFTER_KINDS)}")
+    return DRAFTER_KINDS[name]
+
+
+def head_kind(name: str) -> HeadKind:
+    if name not in HEAD_KINDS:
+        raise DraftsmithError(f"unknown stop head {name!r}; choose one of {tuple(HEAD_KINDS)}")
+    return HEAD_KINDS[name]
+
+
+def trained_kind(name: str) -> DrafterKind | HeadKind:
+    """The drafter or stop-head kind a training checkpoint records."""
+    if name in HEAD_KINDS:
+        return HEAD_KINDS[name]
+    return drafter_kind(name)
+
+
+def check_format(kind: DrafterKind, fmt: str) -> None:
+    """Refuse an export format the kind is not written in, naming the ones it is."""
+    if fmt in kind.formats:
+        return
+    owners = [k.title.split(" ", 1)[1] + "s" for k in DRAFTER_KINDS.values() if fmt in k.formats]
+    engines = kind.engine_formats()
+    fix = f"use --format {' or '.join(engines)}" if engines else \
+        "it exports as `native` (an ordinary transformers model directory)"
+    raise DraftsmithError(f"--format {fmt} is for {' and '.join(owners) or 'no drafter'}; this is {kind.title}: {fix}")

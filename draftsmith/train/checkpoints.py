@@ -1,0 +1,121 @@
+"""Training checkpoints: which one a run's best or last is, and reading one safely.
+
+The best checkpoint is Lightning's own record: `ModelCheckpoint` keeps `best_model_path` and
+`best_model_score` in its callback state, saved inside every checkpoint it writes; the newest
+checkpoint of a run therefore says which file scored best (file names and modification times
+do not: `best-step=900` sorts after `best-step=1000`). A DeepSpeed ZeRO checkpoint is a
+directory; it is consolidated once with DeepSpeed's own converter (through Lightning's wrapper,
+which keeps Lightning's state) into `<dir>.fp32.ckpt` beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import DraftsmithError
+
+
+def is_zero_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def _candidates(run_dir: Path) -> list[Path]:
+    """Every checkpoint under a run directory: .ckpt files and ZeRO .ckpt directories."""
+    found = [p for p in run_dir.glob("**/*.ckpt") if p.is_file() or is_zero_dir(p)]
+    return [p for p in found if not any(is_zero_dir(parent) for parent in p.parents)]
+
+
+def checkpoint_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents without its weights' provenance checks (weights_only: nothing is executed)."""
+    if is_zero_dir(path):
+        path = consolidate_zero(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an unexpected object in the pickle: refuse rather than execute it
+        raise DraftsmithError(f"{path}: not a checkpoint draftsmith can read safely ({type(e).__name__}: {e})") from None
+
+
+def monitored_records(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states a checkpoint holds of its run's monitored ModelCheckpoints (monitor, best_model_path,
+    best_model_score, best_k_models, ...), in callback order; unmonitored ones (last.ckpt by steps) left out."""
+    return [v for k, v in ckpt.get("callbacks", {}).items()
+            if k.startswith("ModelCheckpoint") and isinstance(v, dict) and v.get("monitor")]
+
+
+def best_scores(ckpt: dict[str, Any]) -> dict[str, float]:
+    """Each monitored ModelCheckpoint's best score so far, by its callback state key."""
+    return {k: float(v["best_model_score"]) for k, v in ckpt.get("callbacks", {}).items()
+            if isinstance(v, dict) and v.get("best_model_score") is not None}
+
+
+def best_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint Lightning's ModelCheckpoint recorded as best in the run's newest checkpoint;
+    the newest checkpoint itself when no monitored ModelCheckpoint ran."""
+    run_dir = Path(run_dir)
+    found = _candidates(run_dir)
+    if not found:
+        raise DraftsmithError(f"no checkpoint (*.ckpt) under {run_dir}; train first (`draftsmith fit --config RECIPE`)")
+    newest = max(found, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt"))
+    records = [v for v in monitored_records(checkpoint_state(newest)) if v.get("best_model_path")]
+    if not records:
+        return newest
+    recorded = Path(records[0]["best_model_path"])
+    if recorded.exists():
+        return recorded
+    moved = [p for p in found if p.name == recorded.name]  # the run directory was moved or copied
+    if len(moved) == 1:
+        return moved[0]
+    raise DraftsmithError(f"{newest} records {recorded} as the best checkpoint, which is not under {run_dir}; "
+                          "pass the checkpoint file itself")
+
+
+def consolidate_zero(directory: Path) -> Path:
+    """A DeepSpeed ZeRO checkpoint directory → one fp32 Lightning checkpoint beside it (done once)."""
+    out = directory.with_name(directory.name + ".fp32.ckpt")
+    if out.is_file() and out.stat().st_mtime >= (directory / "latest").stat().st_mtime:
+        return out
+    try:
+        from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+    except ImportError:
+        raise DraftsmithError(f"{directory} is a DeepSpeed ZeRO checkpoint: `pip install deepspeed` to convert it") from None
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(str(directory), str(tmp))
+    except ModuleNotFoundError:
+        raise DraftsmithError(f"{directory} is a DeepSpeed ZeRO checkpoint: `pip install deepspeed` to convert it") from None
+    tmp.replace(out)
+    return out
+
+
+def last_checkpoint(trainer: Any) -> Path | None:
+    """The newest last.ckpt (or last-vN.ckpt) in the logger's version directories, for a trainer config
+    whose ModelCheckpoints name no dirpath, so that Lightning keeps their files under the logger's version
+    (`logs/version_N/checkpoints`); None when there is none, or when they have a fixed place, where
+    Lightning finds `last` itself."""
+    checkpoints = [cb for cb in trainer.callbacks or [] if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint")]
+    args = getattr(trainer.logger, "init_args", None)
+    if not checkpoints or any(cb.init_args.get("dirpath") for cb in checkpoints) or args is None \
+            or args.get("version") is not None:
+        return None
+    base = Path(args.get("save_dir") or trainer.default_root_dir or ".")
+    base = base / args["name"] if args.get("name") else base
+    found = sorted(base.glob("version_*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
+    """A resumed run logs to a new version of its logger; its ModelCheckpoints (those given no dirpath)
+    keep writing in `last`'s directory, named as the checkpoint recorded it (Lightning restores a
+    ModelCheckpoint's best-so-far and its last file only when its dirpath equals the recorded one, and
+    records a dirpath it resolved itself unresolved: `runs/...` where a dirpath given is made absolute)."""
+    states = checkpoint_state(last).get("callbacks", {})
+    recorded = {state.get("dirpath") for key, state in states.items() if str(key).startswith("ModelCheckpoint")}
+    here = os.path.realpath(last.parent)
+    where = next((d for d in recorded if d and os.path.realpath(d) == here), here)
+    for cb in trainer.checkpoint_callbacks:
+        if cb.dirpath is None:  # setup() would have put its files in the new version
+            cb.dirpath = where

@@ -1,0 +1,66 @@
+"""The house rules, checked: imports run one way, a kind is a registry entry, files stay readable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from draftsmith import DraftsmithError
+from draftsmith.models.registry import DRAFTER_KINDS, FORMATS, HEAD_KINDS, check_format
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "draftsmith"
+MAX_LINES = 400
+
+
+def test_imports_run_one_way(capsys):
+    """pyproject.toml's import-linter contracts: each layer imports only the ones below it."""
+    from importlinter.cli import lint_imports
+
+    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    assert code == 0, capsys.readouterr().out
+
+
+def test_drafter_kinds_are_named_only_in_the_registry_and_the_model_modules():
+    pattern = re.compile(r'"(?:eagle3?|standalone)"')
+    allowed = {PACKAGE / "models" / "registry.py"}
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in PACKAGE.rglob("*.py") if p not in allowed
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "kind names tested outside models/registry.py:\n" + "\n".join(found)
+
+
+def test_no_module_is_longer_than_a_reading():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTER_KINDS))
+def test_every_drafter_kind_names_classes_that_exist_and_formats_that_are_written(name):
+    from draftsmith.export import writers
+
+    kind = DRAFTER_KINDS[name]
+    assert kind.formats[0] == "native" and set(kind.formats) <= set(writers()) == set(FORMATS)
+    if kind.reads_features:  # built from a target by the constructor every feature drafter shares
+        assert callable(kind.model_class.from_target)
+    else:
+        assert kind.trainer_class.kind is kind
+    for fmt in FORMATS:
+        if fmt in kind.formats:
+            check_format(kind, fmt)
+        else:
+            with pytest.raises(DraftsmithError, match=f"this is {kind.title}"):
+                check_format(kind, fmt)
+
+
+@pytest.mark.parametrize("name", sorted(HEAD_KINDS))
+def test_every_head_kind_builds_from_its_config_and_decodes_as_a_policy(name):
+    from dataclasses import asdict
+
+    from draftsmith.runtime.policies import POLICIES
+
+    kind = HEAD_KINDS[name]
+    assert POLICIES[name].name == name  # the policy that decodes with it carries its name
+    head = kind.build({"hidden_size": 8} if name == "specdec" else {})
+    assert head.kind == name and kind.build(asdict(head.config)).config == head.config
