@@ -1,12 +1,11 @@
 """`--dtype auto` and a recipe's `precision: auto`: the floating-point type that computes fastest here.
 
 bf16 halves the bytes of every weight, and where the hardware multiplies bf16 fast (a GPU, a CPU
-with AMX, most CPUs with AVX512-BF16) it is the fast choice. Not everywhere: on an AMD EPYC
-without AVX512-BF16 a bf16 matrix product ran at 1 GFLOP/s against 47 in float32, and on an
-Intel Xeon with AVX512-BF16 but no AMX oneDNN's bf16 kernel ran a 512-row product at 167 GFLOP/s
-against 270 in float32, while a one-row product, which only streams the weights, was twice as
-fast in bf16 (docs/benchmarks.md, "Machines"). Which type wins depends on the machine and on the
-work, so `auto` measures rather than guesses: once per process, per device and kind of work, it
+with AMX, most CPUs with AVX512-BF16) it is the fast choice. Not everywhere: a CPU without bf16
+units multiplies it far slower than float32, and one with AVX512-BF16 but no AMX can run a
+512-row bf16 product slower than float32 while a one-row product, which only streams the weights,
+is faster in bf16 (docs/benchmarks.md, "Machines"). Which type wins depends on the machine and on
+the work, so `auto` measures rather than guesses: once per process, per device and kind of work, it
 times the same products in both types and takes bf16 unless float32 is clearly faster
 (`FLOAT32_MARGIN`).
 

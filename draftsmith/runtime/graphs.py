@@ -1,6 +1,6 @@
 """Target and drafter forwards replayed from CUDA graphs.
 
-At batch 1 on a GPU a decoding step is short (an 8B model's weights stream in ~4 ms) and made of
+At batch 1 on a GPU a decoding step is short (an 8B model's weights stream in milliseconds) and made of
 hundreds of small kernels, about fifteen a layer; launched one by one from Python, the launches
 take longer than the GPU's work. A CUDA graph records a forward's kernels once and replays them
 with one launch. A graph fixes every shape and address, so here:
