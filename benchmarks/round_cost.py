@@ -42,13 +42,13 @@ replayed from CUDA graphs included) and the GPU's busy time per round, against t
 keeps for later processes); `--compile frozen` with the weights frozen into the graph, compiled anew in
 every process (`TargetRunner(compile="frozen")`). The reference path stays eager.
 
-`--graphs` adds a third arm: `GraphRunner` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
+`--graphs` adds a third arm: `TargetRunner(graphs=True)` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
 fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed from a CUDA graph (keys
 `ar_ms_graphs`, `ratio_<shape>_graphs`, and `ar_replay_ms_graphs`: the one-token graph's replay alone).
 The graphs arm folds the query heads that share a key/value head into the rows of one attention call
-(`GraphRunner`'s default); `--unfolded` adds the same without (`gqa=False`: transformers copies the keys
+(the graphs' default); `--unfolded` adds the same without (`gqa=False`: transformers copies the keys
 and values per query head under the mask; `_unfolded` keys). `--compile-blocks` adds the graphs arm with
-the target's norms and MLPs compiled (`GraphRunner(compile=True)`, `_blocks` keys; their compilation is
+the target's norms and MLPs compiled (`TargetRunner(graphs=True, compile_blocks=True)`, `_blocks` keys; their compilation is
 the arm's first calls, outside the timings).
 
 On a GPU (`--device cuda`), with a random-weight target of a known shape (no download):
@@ -246,9 +246,9 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
     ap.add_argument("--unfolded", action="store_true",
-                    help="add the fixed-shape runner without its grouped query heads folded (GraphRunner(gqa=False))")
+                    help="add the fixed-shape runner without its grouped query heads folded (graphs=True, gqa=False)")
     ap.add_argument("--compile-blocks", action="store_true",
-                    help="add the fixed-shape runner with the target's norms and MLPs compiled (GraphRunner(compile=True))")
+                    help="add the fixed-shape runner with the target's norms and MLPs compiled (graphs=True, compile_blocks=True)")
     ap.add_argument("--arms", default=None, help="keep only these arms (comma-separated: runtime,reference,graphs,...)")
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct",
                     help=f"the embedded target, or random:<shape> with shape one of {sorted(RANDOM_TARGETS)}")
@@ -264,7 +264,6 @@ def main() -> None:
     from draftsmith.models.target import DTYPES, load_target
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.graphs import GraphRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
@@ -309,8 +308,9 @@ def main() -> None:
         if arm in ("graphs", "unfolded", "blocks"):
             proposer.enable_graphs()
             # the last arm compiles the model's blocks, which stay compiled
-            runner = GraphRunner(target.model, proposer.aux_layer_ids, capacity=args.context + 256 + args.generate,
-                                 gqa=arm != "unfolded", compile=arm == "blocks")
+            runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True,
+                                  capacity=args.context + 256 + args.generate, gqa=arm != "unfolded",
+                                  compile_blocks=arm == "blocks")
         else:
             runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=args.compile if fast else False)
         with torch.no_grad():
@@ -360,7 +360,7 @@ def main() -> None:
             if not any(n.startswith(name.split()[0]) for n in profiled):
                 profiled[name] = lambda draft=draft, check=verify(tokens, tree): (draft(), check())
         if getattr(runner, "capture", False):  # the one-token graph's replay alone: the GPU's share of a step
-            replays[f"ar_replay_ms_{arm}"] = median_ms(runner.recorded.graphs[1][0].replay, args.repeats)
+            replays[f"ar_replay_ms_{arm}"] = median_ms(runner.graphs.recorded.graphs[1][0].replay, args.repeats)
         if args.generate:
             first_chain = next(((n, s) for n, s in shapes if isinstance(s, int)), None)
             first_tree = next(((n, s) for n, s in shapes if not isinstance(s, int)), None)

@@ -110,6 +110,9 @@ class DecodeOptions:
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
         if self.graphs and not str(self.device).startswith("cuda"):
             raise DraftsmithError(f"--graphs records CUDA graphs: it needs --device cuda, not {self.device!r}")
+        if self.graphs and self.compile not in (False, True):
+            raise DraftsmithError(f"--graphs --compile compiles the norms and MLPs recorded into the graphs: give "
+                                  f"--compile true (the {self.compile!r} mode compiles the whole decoder, without graphs)")
         if self.stop_threshold is not None and not 0 <= self.stop_threshold <= 1:
             raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
@@ -255,10 +258,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    if cfg.graphs:
-        from draftsmith.runtime.graphs import GraphRunner
-
-        runner = GraphRunner(target.model, proposer.aux_layer_ids, compile=bool(cfg.compile))
+    if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs (checked in DecodeOptions)
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=bool(cfg.compile))
         if isinstance(proposer, FeatureProposer):
             proposer.enable_graphs()
     else:

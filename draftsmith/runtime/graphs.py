@@ -39,10 +39,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.runner import TargetRunner
+from draftsmith.runtime.cache import DEFAULT_CAPACITY
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
-DEFAULT_CAPACITY = 1024
 ALIGN = 64  # capacities are multiples of this (attention kernels want aligned mask rows)
 MAX_GRAPH_ROWS = 128  # a drafter fed more rows at once (a prompt's anchors) runs eagerly
 
@@ -153,31 +152,25 @@ class Inputs:
     mask: torch.Tensor
 
 
-class GraphRunner(TargetRunner):
-    """`TargetRunner` with fixed-capacity KV slabs and, on a GPU, every forward but the prefill
-    replayed from a CUDA graph per row count. Same interface and results as TargetRunner (up to
-    floating-point summation order). `capture`: record and replay graphs (default: on a GPU).
-    `gqa`: the query heads that share a key/value head folded into the rows of one attention call
-    (runtime/kernels.py), which on a GPU spares transformers' copy of the whole slab per query head
-    under a mask. `compile`: the model's norms and MLPs compiled (`compile_blocks`) and recorded
-    into the graphs as fused kernels; they compile at the first calls."""
+class FixedForwards:
+    """A target's forwards over fixed-capacity KV slabs and, on a GPU, every forward but the prefill
+    replayed from a CUDA graph per row count: what `TargetRunner(graphs=True)` runs. The same results as
+    the runner's own forwards (up to floating-point summation order). `capture`: record and replay graphs
+    (default: on a GPU)."""
 
-    def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, capacity: int = DEFAULT_CAPACITY,
-                 capture: bool | None = None, gqa: bool = True, compile: bool = False):
-        super().__init__(model, aux_layer_ids, gqa=gqa)
-        if compile:
-            compile_blocks(self.decoder)
-        self.capture = _check_capture(capture, self.device)
+    def __init__(self, runner: Any, capacity: int = DEFAULT_CAPACITY, capture: bool | None = None):
+        self.runner = runner
+        self.capture = _check_capture(capture, runner.device)
         self.capacity = _aligned(capacity)
         self.slots: torch.Tensor | None = None  # what FixedLayer.update writes at, set per forward
         self.inputs: dict[int, Inputs] = {}
-        self.recorded = Recorded(self.device)
+        self.recorded = Recorded(runner.device)
         self.cache = None
 
-    def reset(self) -> None:
-        """An empty sequence; the slabs (and so the graphs) are kept."""
+    def reset(self) -> Any:
+        """An empty sequence; the slabs (and so the graphs) are kept. Returns the runner's cache."""
         if self.cache is None:
-            cache = DynamicCache(config=self.model.config)
+            cache = DynamicCache(config=self.runner.model.config)
             if any(type(layer) is not DynamicLayer for layer in cache.layers) or not cache.layers:
                 raise DraftsmithError("CUDA graphs need a target whose layers all use full attention "
                                       "(sliding-window or recurrent layers have no fixed-shape cache here)")
@@ -186,11 +179,12 @@ class GraphRunner(TargetRunner):
             self.cache = cache
         for layer in self.cache.layers:
             layer.reset()
+        return self.cache
 
     def _buffers(self, n: int, keep: bool) -> Inputs:
         inputs = self.inputs.get(n)
         if inputs is None:
-            device, long = self.device, torch.long
+            device, long = self.runner.device, torch.long
             inputs = Inputs(torch.zeros(1, n, dtype=long, device=device), torch.zeros(1, n, dtype=long, device=device),
                             torch.zeros(n, dtype=long, device=device),
                             torch.zeros(1, 1, n, self.capacity, dtype=self._mask_dtype(), device=device))
@@ -199,33 +193,35 @@ class GraphRunner(TargetRunner):
         return inputs
 
     def _mask_dtype(self) -> torch.dtype:
-        return torch.bool if self.bool_masks else self.head.weight.dtype
+        return torch.bool if self.runner.bool_masks else self.runner.head.weight.dtype
 
     def _allowed(self, start: int, n: int, tree: DraftTree | None) -> torch.Tensor:
         """Which slab positions each of the n new rows attends to (n, C)."""
-        columns = torch.arange(self.capacity, device=self.device)
+        device = self.runner.device
+        columns = torch.arange(self.capacity, device=device)
         if tree is None:  # a chain: everything up to and including its own slot
-            return columns[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
-        allowed = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)
-        allowed[:, : start + n] = tree_attention_mask(tree, start)[0, 0].to(self.device)
+            return columns[None, :] <= (start + torch.arange(n, device=device))[:, None]
+        allowed = torch.zeros(n, self.capacity, dtype=torch.bool, device=device)
+        allowed[:, : start + n] = tree_attention_mask(tree, start)[0, 0].to(device)
         return allowed
 
     @torch.no_grad()
     def forward(self, tokens: list[int], tree: DraftTree | None = None,
                 last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """TargetRunner.forward on the fixed slabs; a replayed graph unless this is the prefill."""
-        n, start = len(tokens), self.cached()
+        device = self.runner.device
+        n, start = len(tokens), self.runner.cached()
         _reserve(self, start + n, self.cache.layers)
         replay = self.capture and not last_logits
         inputs = self._buffers(n, keep=replay)
-        depth = torch.arange(n, device=self.device)
+        depth = torch.arange(n, device=device)
         if tree is not None:
-            depth[1:] = tree.depth.to(self.device)
+            depth[1:] = tree.depth.to(device)
         inputs.ids[0].copy_(torch.tensor(tokens))
         inputs.positions[0].copy_(start + depth)
-        inputs.slots.copy_(start + torch.arange(n, device=self.device))
+        inputs.slots.copy_(start + torch.arange(n, device=device))
         allowed = self._allowed(start, n, tree)[None, None]
-        if self.bool_masks:
+        if self.runner.bool_masks:
             inputs.mask.copy_(allowed)
         else:
             inputs.mask.copy_(torch.zeros_like(inputs.mask).masked_fill(~allowed, torch.finfo(inputs.mask.dtype).min))
@@ -242,7 +238,7 @@ class GraphRunner(TargetRunner):
         """The fixed-shape forward itself: what a graph records. No host sync, no shape that depends
         on the sequence (the decoder takes the 4D mask as it is)."""
         self.slots = inputs.slots
-        return self.decode(inputs.ids, last_logits, attention_mask=inputs.mask, position_ids=inputs.positions)
+        return self.runner.decode(inputs.ids, last_logits, attention_mask=inputs.mask, position_ids=inputs.positions)
 
 
 class DrafterGraphs:

@@ -125,7 +125,7 @@ class _LayerMask:
     each layer. Keyed by that object and its version, so a buffer written in place is built again.
 
     Not kept while torch.compile traces (the graph fuses the conversion itself), for inference tensors
-    (no version counter), or while a CUDA graph is captured: GraphRunner captures right after an eager
+    (no version counter), or while a CUDA graph is captured: a runner with graphs captures right after an eager
     warm-up on the same, unchanged mask buffer, and a kept mask would leave the build out of the graph,
     so every replay would read the warm-up's mask."""
 

@@ -14,7 +14,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
 from draftsmith.models.target import capture_hidden_states
-from draftsmith.runtime.cache import decoding_cache
+from draftsmith.runtime.cache import DEFAULT_CAPACITY, decoding_cache
 from draftsmith.runtime.kernels import DecodeAttention, PackedLinears
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
@@ -26,7 +26,8 @@ class TargetRunner:
     """A transformers causal LM with its KV cache: forward, read features, roll back."""
 
     def __init__(self, model: Any, aux_layer_ids: list[int] | None = None, gqa: bool | None = None,
-                 fast: bool = True, compile: bool | str = False):
+                 fast: bool = True, compile: bool | str = False, graphs: bool = False,
+                 capacity: int = DEFAULT_CAPACITY, capture: bool | None = None, compile_blocks: bool = False):
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -34,7 +35,8 @@ class TargetRunner:
         self.cache = None
         # grouped-query attention without copying K/V per head group (see grouped_query_sdpa); on a
         # GPU a masked GQA call would leave the fused kernels, so there transformers' default stands
-        self.gqa = self.device.type == "cpu" if gqa is None else gqa
+        # (with `graphs`, folded into rows on a GPU too: below)
+        self.gqa = (graphs or self.device.type == "cpu") if gqa is None else gqa
         # `fast`: preallocated KV slabs (runtime/cache.py) and, on a CPU, prepacked linear weights (runtime/kernels.py);
         # False gives transformers' DynamicCache and nn.Linear as they are (the reference the benchmarks time)
         self.fast = fast
@@ -53,6 +55,19 @@ class TargetRunner:
         self.head_linears = PackedLinears(self.head, enabled=fast)
         self.attention = DecodeAttention(model, enabled=fast and self.gqa)  # grouped query heads folded into rows
         self.bool_masks = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        # `graphs`: every forward over fixed-capacity KV slabs and, on a GPU (`capture`), replayed from a CUDA
+        # graph per row count (runtime/graphs.py); `compile_blocks`: the decoder layers' norms and MLPs
+        # compiled and recorded into those graphs as fused kernels. On a GPU a masked attention then folds the
+        # query heads that share a key/value head into rows (`gqa`), sparing a copy of the slab per head.
+        self.graphs = None
+        if graphs:
+            from draftsmith.runtime.graphs import FixedForwards, compile_blocks as compile_decoder_blocks
+
+            if compile_blocks:
+                compile_decoder_blocks(self.decoder)
+            self.graphs = FixedForwards(self, capacity, capture)
+        elif compile_blocks:
+            raise DraftsmithError("compile_blocks compiles the blocks recorded into CUDA graphs: set graphs=True too")
 
     @property
     def device(self) -> torch.device:
@@ -68,7 +83,7 @@ class TargetRunner:
         return inductor.patch(freezing=True)
 
     def reset(self) -> None:
-        self.cache = decoding_cache(self.model.config, preallocated=self.fast)
+        self.cache = self.graphs.reset() if self.graphs else decoding_cache(self.model.config, preallocated=self.fast)
 
     @torch.no_grad()
     def forward(self, tokens: list[int], tree: DraftTree | None = None,
@@ -76,6 +91,8 @@ class TargetRunner:
         """Logits (n, V), final features (n, H) and fused aux (n, k*H) for n new tokens; with a
         tree, tokens = [root, nodes...] under the tree mask at positions cached + depth. With
         `last_logits` the head runs on the last row only (a prefill: logits (1, V))."""
+        if self.graphs:
+            return self.graphs.forward(tokens, tree, last_logits)
         ids = torch.tensor([tokens], device=self.device)
         extra = {}
         if tree is not None:

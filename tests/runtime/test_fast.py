@@ -187,7 +187,7 @@ def test_a_forwards_mask_is_built_once_for_all_its_layers(target, monkeypatch):
     mask = torch.ones(1, 1, 2, 6, dtype=torch.bool)
     first = kernels._LayerMask.get(mask, 1, 6, torch.float32)
     assert kernels._LayerMask.get(mask, 1, 6, torch.float32) is first
-    mask[..., -1] = False  # a fixed buffer rewritten for the next forward (GraphRunner's)
+    mask[..., -1] = False  # a fixed buffer rewritten for the next forward (a runner with graphs rewrites its own)
     again = kernels._LayerMask.get(mask, 1, 6, torch.float32)
     assert again[..., -1].eq(float("-inf")).all()
     # while a CUDA graph records (after an eager warm-up on the same buffer), the build must be in the graph

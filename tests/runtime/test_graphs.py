@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from draftsmith import DraftsmithError
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
-from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, GraphRunner, compile_blocks
+from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, compile_blocks
 from draftsmith.runtime.cost import CostAware
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer
@@ -26,16 +26,16 @@ from tests.runtime.test_tree import hand_tree, peaky_drafter
 
 
 def test_fixed_slabs_roll_back_keep_paths_and_grow_as_recomputation(target):
-    runner = GraphRunner(target, capacity=8)  # small: it must grow on the way
+    runner = TargetRunner(target, capacity=8, graphs=True)  # small: it must grow on the way
     runner.reset()
-    assert runner.capacity == 64 and all(isinstance(layer, FixedLayer) for layer in runner.cache.layers)
+    assert runner.graphs.capacity == 64 and all(isinstance(layer, FixedLayer) for layer in runner.cache.layers)
     prompt, tree, path = [i % 50 for i in range(4, 64)], hand_tree([42, 7, 9, 11, 30, 2]), [0, 2, 5]
     runner.forward(prompt[:-1], last_logits=True)
     runner.forward([prompt[-1], 20, 21, 22])  # a chain of 3: the last two rejected
     runner.rollback(2)
     start = runner.cached()
     runner.forward([24] + tree.tokens.tolist(), tree)  # 24: the round's pending token; 69 rows: grows to 128
-    assert runner.capacity == 128
+    assert runner.graphs.capacity == 128
     runner.keep_path(start, path)
     sequence = prompt + [20] + [24] + tree.tokens[path].tolist()
     assert runner.cached() == len(sequence)
@@ -52,7 +52,7 @@ def test_fixed_runner_decodes_the_plain_runners_tokens(target, shape):
     """Same tokens and acceptances as TargetRunner, over several prompts through one runner (a reset
     keeps the slabs), with the EAGLE-3 drafter's fused aux features read from the fixed forward."""
     proposer = proposers(target)["eagle3"]
-    fixed = GraphRunner(target, proposer.aux_layer_ids, capacity=16)
+    fixed = TargetRunner(target, proposer.aux_layer_ids, capacity=16, graphs=True)
     for prompt, expected in greedy_cases(target, new_tokens=30):
         outputs = []
         for runner in (fixed, TargetRunner(target, proposer.aux_layer_ids)):
@@ -78,7 +78,7 @@ def test_fixed_drafter_drafts_what_the_plain_drafter_does(target, kind, shape):
         outputs = []
         for proposer in (fixed, FeatureProposer(base.drafter, V, base.aux_layer_ids)):
             drafts = recording(proposer)
-            out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, Static(3), tree=shape)
+            out = generate(TargetRunner(target, proposer.aux_layer_ids, graphs=True), proposer, prompt, 30, Static(3), tree=shape)
             outputs.append((out.tokens, drafts))
         assert outputs[0][0] == outputs[1][0] == expected
         assert [tokens for tokens, _ in outputs[0][1]] == [tokens for tokens, _ in outputs[1][1]]
@@ -100,7 +100,7 @@ def test_fixed_sampled_chain_draws_what_the_plain_chain_draws(target, cfg):
         outputs = []
         for proposer in (fixed, FeatureProposer(base.drafter, V, base.aux_layer_ids)):
             drafts = recording(proposer)
-            out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, Static(3), cfg,
+            out = generate(TargetRunner(target, proposer.aux_layer_ids, graphs=True), proposer, prompt, 30, Static(3), cfg,
                            generator=torch.Generator().manual_seed(11))
             outputs.append((out.tokens, drafts))
         assert outputs[0][0] == outputs[1][0]
@@ -144,7 +144,7 @@ def test_fixed_runner_sizes_trees_by_cost(target):
     """The cost policy times verification forwards of many row counts (one graph each on a GPU)."""
     proposer = proposers(target)["eagle"]
     for prompt, expected in greedy_cases(target, seeds=1, new_tokens=30):
-        out = generate(GraphRunner(target, proposer.aux_layer_ids), proposer, prompt, 30, CostAware(4),
+        out = generate(TargetRunner(target, proposer.aux_layer_ids, graphs=True), proposer, prompt, 30, CostAware(4),
                        tree=TreeShape(3, 3, 8, lookup=3))
         assert out.tokens == expected
 
@@ -176,15 +176,15 @@ def test_recorded_forward_reads_no_tensor_value(target):
         assert tree.tokens.device.type == "meta" and tree.tokens.shape == tree.parents.shape == (10,)
         assert tokens.device.type == "meta" and tokens.shape == (3,) and scaled.shape == raw.shape == (3, V)
         assert drawn.device.type == "meta" and drawn.shape == (3,)
-    runner = GraphRunner(meta, [0, 1, 2], capacity=64, capture=False)
+    runner = TargetRunner(meta, [0, 1, 2], capacity=64, capture=False, graphs=True)
     runner.reset()
     runner.forward(list(range(10)), last_logits=True)
-    recorded = runner._run  # what a graph records: checked for Python scalars written into tensors too
+    recorded = runner.graphs._run  # what a graph records: checked for Python scalars written into tensors too
 
     def run(*args):
         with NoScalarWrites():
             return recorded(*args)
-    runner._run = run
+    runner.graphs._run = run
     logits, final, aux = runner.forward([1, 2, 3])
     assert logits.device.type == "meta" and logits.shape == (3, target.config.vocab_size)
     assert aux.shape == (3, 3 * target.config.hidden_size)
@@ -204,8 +204,16 @@ class NoScalarWrites(TorchFunctionMode):
 
 
 def test_graph_runner_refuses_what_it_cannot_run(target):
+    from draftsmith.eval.evaluate import EvalConfig
+
     with pytest.raises(DraftsmithError, match="GPU"):
-        GraphRunner(target, capture=True)
+        TargetRunner(target, capture=True, graphs=True)
+    with pytest.raises(DraftsmithError, match="set graphs=True too"):
+        TargetRunner(target, compile_blocks=True)
+    # eval's --compile means the compiled blocks with --graphs: a whole-decoder mode is refused, not reinterpreted
+    with pytest.raises(DraftsmithError, match="give --compile true"):
+        EvalConfig(target="", device="cuda", graphs=True, compile="frozen")
+    assert EvalConfig(target="", device="cuda", graphs=True, compile=True).compile is True
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -220,17 +228,17 @@ def test_cuda_graphs_decode_the_plain_runners_tokens(target, shape, fused):
     proposer, graphed = FeatureProposer(drafter, V, base.aux_layer_ids), FeatureProposer(drafter, V, base.aux_layer_ids)
     graphed.enable_graphs()
     graphed.graphs.capacity = 64
-    graphs = GraphRunner(gpu, proposer.aux_layer_ids, capacity=16, gqa=fused, compile=fused)
+    graphs = TargetRunner(gpu, proposer.aux_layer_ids, capacity=16, gqa=fused, compile_blocks=fused, graphs=True)
     if fused:
         assert gpu.get_decoder().layers[0].mlp._compiled_call_impl is not None
-    assert graphs.capture and graphs.capacity == 64 and graphed.graphs.capture
+    assert graphs.graphs.capture and graphs.graphs.capacity == 64 and graphed.graphs.capture
     for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
         outputs = []
         for runner, drafting in ((graphs, proposer), (graphs, graphed), (TargetRunner(gpu, proposer.aux_layer_ids), proposer)):
             out = generate(runner, drafting, prompt, 30, Static(3), tree=shape)
             outputs.append((out.tokens, [r.accepted for r in out.rounds]))
         assert outputs[0] == outputs[1] == outputs[2] and outputs[0][0] == expected
-    assert graphs.recorded.graphs and graphs.capacity == 128
+    assert graphs.graphs.recorded.graphs and graphs.graphs.capacity == 128
     assert graphed.graphs.recorded.graphs and graphed.graphs.capacity == 128
 
 
@@ -247,7 +255,7 @@ def test_cuda_graphs_record_a_sampled_chain(target):
         graphed = FeatureProposer(drafter, V, base.aux_layer_ids)
         graphed.enable_graphs()
         drafts = recording(graphed)
-        out = generate(GraphRunner(gpu, graphed.aux_layer_ids), graphed, prompt, 30, Static(3), cfg, generator=generator)
+        out = generate(TargetRunner(gpu, graphed.aux_layer_ids, graphs=True), graphed, prompt, 30, Static(3), cfg, generator=generator)
         assert ("chain", 3, cfg) in graphed.graphs.recorded.graphs
         assert (graphed.graphs.generator is None) == (generator is None)
         assert all(bool(q[i, t] > 0) for tokens, q in drafts for i, t in enumerate(tokens))
