@@ -107,9 +107,9 @@ def main() -> None:
     static = STATIC if shape is None else [f"tree{d}" for d in range(1, shape.depth + 1)]
 
     def head_arm(kind: str, mode: str) -> tuple:
-        threshold, max_k = tuned(kind, mode)
-        max_k = shape.depth if shape is not None else max_k  # a tree round drafts at most its depth, as in eval
-        return (proposer, lambda p: make_policy(kind, head=heads[kind][0], threshold=threshold, max_k=max_k), shape)
+        threshold, k = tuned(kind, mode)
+        k = shape.depth if shape is not None else k  # a tree round drafts at most its depth, as in eval
+        return (proposer, lambda p: make_policy(kind, head=heads[kind][0], threshold=threshold, k=k), shape)
 
     def factories(mode: str, references) -> dict:
         """arm → (proposer, prompt → fresh policy, tree shape or None for chains)."""
@@ -126,14 +126,14 @@ def main() -> None:
             arms[f"static{k}"] = (proposer, lambda p, k=k: make_policy("static", k=k), None)
         arms.update({
             "heuristic": (proposer, lambda p: make_policy("heuristic", k=5), None),
-            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, max_k=8), None),
-            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, max_k=8), None),
-            "cost": (proposer, lambda p: make_policy("cost", max_k=8, meter=meter), None),
+            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, k=8), None),
+            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, k=8), None),
+            "cost": (proposer, lambda p: make_policy("cost", k=8, meter=meter), None),
             "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode),
         })
         if references is not None:
             arms["oracle"] = (proposer, lambda p: make_policy("oracle", reference=references[tuple(p)][0],
-                                                                 drafts=references[tuple(p)][1], max_k=8), None)
+                                                                 drafts=references[tuple(p)][1], k=8), None)
         return arms
 
     def run_arms(arms: dict, ids, sampling) -> dict:

@@ -37,7 +37,7 @@ def chats(tmp_path_factory):
 
 def label_args(tiny_features, drafter_export, chats, out):
     return ["labels", "--target", str(tiny_features / "target"), "--drafter", str(drafter_export), "--data", str(chats),
-            "--k_max", "4", "--top_k", "6", "--shard_size", "8", "--max_positions", "40", "--dtype", "float32",
+            "--k", "4", "--top_k", "6", "--shard_size", "8", "--max_positions", "40", "--dtype", "float32",
             "--hidden_dtype", "float32", "--out", str(out)]
 
 
@@ -81,7 +81,7 @@ def other_export(eagle3_ckpt, tmp_path_factory):
 def test_labels_of_another_drafter_are_not_mixed_in(tiny_features, other_export, chats, labelled):
     with pytest.raises(DraftsmithError, match="drafter.*refusing to mix"):
         labels(LabelsConfig(target=str(tiny_features / "target"), drafter=str(other_export), data=str(chats),
-                            out=str(labelled), k_max=4, top_k=6, shard_size=8, max_positions=40, dtype="float32",
+                            out=str(labelled), k=4, top_k=6, shard_size=8, max_positions=40, dtype="float32",
                             hidden_dtype="float32"))
 
 
@@ -156,27 +156,27 @@ def test_heads_travel_in_the_export_and_decode_losslessly(tiny_features, drafter
         assert results["identical_outputs"] is True and f"{kind} stop head (threshold 0.5, at most 4)" in results["config"]["drafter"]
     # tune: the fastest setting of a small grid on held-out prompts is written into the export and used by eval
     result = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
-                     "--thresholds", "[0.3,0.7]", "--max_ks", "[2,3]", "--data", str(tiny_features / "chats.json"),
-                     "--data_val_fraction", "0.3", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+                     "--thresholds", "[0.3,0.7]", "--ks", "[2,3]", "--data", str(tiny_features / "chats.json"),
+                     "--val_fraction", "0.3", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
                      "--dtype", "float32")
     assert result.returncode == 0, result.stderr[-3000:]
     tuned = json.loads((drafter / "config.json").read_text())["stop_heads"]["disco"]["tuned"]["greedy"]
-    assert (tuned["threshold"], tuned["max_k"]) in {(0.3, 2), (0.7, 2), (0.3, 3), (0.7, 3)} and len(tuned["grid"]) == 4
+    assert (tuned["threshold"], tuned["k"]) in {(0.3, 2), (0.7, 2), (0.3, 3), (0.7, 3)} and len(tuned["grid"]) == 4
     assert tuned["tokens_per_second"] == max(p["tokens_per_second"] for p in tuned["grid"])
     out = tmp_path / "eval-tuned"
     result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
                      "--max_new_tokens", "8", "--limit", "1", "--repeats", "1", "--dtype", "float32", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     described = json.loads((out / "results.json").read_text())["config"]["drafter"]
-    assert f"threshold {tuned['threshold']:g}, at most {tuned['max_k']}" in described
+    assert f"threshold {tuned['threshold']:g}, at most {tuned['k']}" in described
     # tune --tree: a threshold for tree rounds, kept apart from the chains', and used by eval --tree
     result = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
                      "--tree", "3,2,4", "--thresholds", "[0.2,0.8]", "--data", str(tiny_features / "chats.json"),
-                     "--data_val_fraction", "0.3", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+                     "--val_fraction", "0.3", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
                      "--dtype", "float32")
     assert result.returncode == 0, result.stderr[-3000:]
     every = json.loads((drafter / "config.json").read_text())["stop_heads"]["disco"]["tuned"]
-    assert every["greedy"] == tuned and every["tree_greedy"]["tree"] == "3,2,4" and every["tree_greedy"]["max_k"] == 3
+    assert every["greedy"] == tuned and every["tree_greedy"]["tree"] == "3,2,4" and every["tree_greedy"]["k"] == 3
     out = tmp_path / "eval-tree"
     result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(drafter), "--policy", "disco",
                      "--tree", "3,2,4", "--max_new_tokens", "8", "--limit", "1", "--repeats", "1", "--dtype", "float32",
@@ -199,6 +199,6 @@ def test_labels_take_the_type_decoding_takes(tiny_features, drafter_export, chat
     set_speed, calls = fresh
     set_speed({"bulk": 0.5, "decode": 2.0})  # float32 would train faster, bf16 decodes faster: labels are decoding's
     labels(LabelsConfig(target=str(tiny_features / "target"), drafter=str(drafter_export), data=str(chats),
-                        out=str(tmp_path / "l"), limit=8, k_max=2, top_k=6, shard_size=8, max_positions=8,
+                        out=str(tmp_path / "l"), limit=8, k=2, top_k=6, shard_size=8, max_positions=8,
                         hidden_dtype="float32"))
     assert json.loads((tmp_path / "l" / "run.json").read_text())["dtype"] == "bfloat16" and calls == ["decode"]

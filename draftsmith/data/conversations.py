@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.options import ChatOptions
 
 ROLE_ALIASES = {
     "human": "user", "user": "user",
@@ -67,23 +68,17 @@ class SourceReport:
         }
 
 
-@dataclass
-class DataStatsConfig:
-    """Options of `draftsmith data stats`.
+@dataclass(kw_only=True)
+class DataStatsConfig(ChatOptions):
+    """Options of `draftsmith data stats` (the chats', and these).
 
     Args:
-        data: `sharegpt` (embedded), a .json/.jsonl file, a `datasets` directory, .parquet/.csv, or hf:NAME[:SPLIT].
         target: a target (embedded alias, .gguf, model directory or hub id) whose tokenizer to use.
-        max_length: token budget per chat; longer chats are truncated (counted).
-        limit: stop after this many kept conversations.
         json: print exactly one JSON object on stdout instead of tables.
         trust_remote_code: allow a hub tokenizer's own code to run.
     """
 
-    data: str
     target: str | None = None
-    max_length: int = 2048
-    limit: int | None = None
     json: bool = False
     trust_remote_code: bool = False
 

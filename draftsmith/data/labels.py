@@ -68,7 +68,7 @@ def label_manifest(out: Path, num_parts: int, run: dict[str, Any]) -> dict[str, 
         with safe_open(str(out / shard_name(p)), framework="pt") as f:
             chats += len(json.loads(f.metadata()["draftsmith"])["ids"])
             depth = f.get_tensor("depth").long() - 1
-            k = run["k_max"]
+            k = run["k"]
             add = lambda x: torch.zeros(k, dtype=torch.float64).index_add_(0, depth, x.double())  # noqa: E731
             h, s, r, n = add(f.get_tensor("hard")), add(f.get_tensor("soft")), add(f.get_tensor("reached")), add(torch.ones(len(depth)))
             hard, soft, reached, total = (h, s, r, n) if hard is None else (hard + h, soft + s, reached + r, total + n)

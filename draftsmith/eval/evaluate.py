@@ -185,14 +185,14 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
     from draftsmith.runtime.policies import HEAD_POLICIES, make_policy
     from draftsmith.runtime.cost import CostMeter, TreeCost, TreeCostMeter
 
-    args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "max_k": cfg.k},
-            "oracle": {"max_k": cfg.k}, "cost": {"max_k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
+    args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "k": cfg.k},
+            "oracle": {"k": cfg.k}, "cost": {"k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
     if cfg.policy in HEAD_POLICIES:
         if stop_head is None:
             raise DraftsmithError(f"--policy {cfg.policy} needs the stop head of the drafter's export (evaluate loads it)")
         head, section = stop_head
-        threshold, max_k = stop_settings(cfg, section)
-        args = {"head": head, "threshold": threshold, "max_k": max_k}
+        threshold, k = stop_settings(cfg, section)
+        args = {"head": head, "threshold": threshold, "k": k}
     make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
     if cfg.tree is not None and cfg.policy == "cost":  # trees sized by cost, one meter for the run
         meter = TreeCostMeter()
@@ -219,18 +219,18 @@ def parse_tree(tree: str | None, lookup: int = 0) -> Any:
 
 
 def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
-    """(threshold, max_k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
+    """(threshold, k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
     wrote into the export for this kind of decoding (greedy or sampling; with --tree, tuned on trees
     where it was, else on chains), else the head's defaults. With --tree the most is the tree's depth:
     the shape bounds a tree round, as it does for cost."""
     from draftsmith.models.loading import tuned_settings
 
     if cfg.stop_threshold is not None:
-        threshold, max_k = cfg.stop_threshold, cfg.k
+        threshold, k = cfg.stop_threshold, cfg.k
     else:
         tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None)
-        threshold, max_k = tuned or (DEFAULT_STOP_THRESHOLD, cfg.k)
-    return threshold, cfg.tree_shape().depth if cfg.tree is not None else max_k
+        threshold, k = tuned or (DEFAULT_STOP_THRESHOLD, cfg.k)
+    return threshold, cfg.tree_shape().depth if cfg.tree is not None else k
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
@@ -285,8 +285,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         if cfg.drafter is None:
             raise DraftsmithError(f"--policy {cfg.policy} reads the stop head of a drafter's export: give --drafter")
         stop_head = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
-        threshold, max_k = stop_settings(cfg, stop_head[1])
-        description += f", {cfg.policy} stop head (threshold {threshold:g}, at most {max_k})"
+        threshold, k = stop_settings(cfg, stop_head[1])
+        description += f", {cfg.policy} stop head (threshold {threshold:g}, at most {k})"
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []

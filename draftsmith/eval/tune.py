@@ -20,6 +20,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import HEAD_KINDS
+from draftsmith.options import TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
 
 # specdec reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
@@ -28,52 +29,46 @@ ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptan
 
 
 @dataclass(kw_only=True)
-class TuneConfig:
-    """Options of `draftsmith tune`.
+class TuneConfig(TargetOptions):
+    """Options of `draftsmith tune` (the target's and these).
 
     Args:
-        target: the target model.
         drafter: the drafter's native export; specdec and disco read (and get) their stop head there.
         policy: specdec, disco, or confidence (transformers' ROC rule on --labels, no decoding).
         thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.99 for specdec, 0.2
             to 0.9 by 0.1 for disco.
-        max_ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco;
+        ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco;
             with --tree, the tree's depth.
         tree: tune for EAGLE-2 tree rounds of this shape, DEPTH,TOPK,TOKENS (feature drafters), as
             `eval --tree` drafts them; omit for chains.
         labels: the label directory (confidence: its validation chats give the ROC curve).
-        val_fraction: the labels' validation share (as the head recipe's data.val_fraction).
+        label_val_fraction: the labels' validation share (as the head recipe's data.val_fraction).
         data: the chats whose validation split gives the held-out prompts (the drafter's training data).
-        data_val_fraction: that data's validation share (as the drafter recipe's data.val_fraction).
+        val_fraction: that data's validation share (as the drafter recipe's data.val_fraction, and as
+            `eval --val_fraction`).
         data_limit: the number of conversations the drafter's training split was drawn from.
         limit: held-out prompts decoded per setting.
         max_new_tokens: tokens generated per prompt.
         temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`).
         head_vocab: a standalone drafter's ranked head, as for eval.
-        dtype: target and drafter dtype: bfloat16, float32, or auto (the faster of the two for decoding on
-            this device, measured).
-        device: cpu or cuda.
         repeats: timed passes per setting (median); the settings alternate within a pass.
         seed: sampling seed.
     """
 
-    target: str
     drafter: str
     policy: str = "specdec"
     thresholds: list[float] | None = None
-    max_ks: list[int] | None = None
+    ks: list[int] | None = None
     tree: str | None = None
     labels: str | None = None
-    val_fraction: float = 0.1
+    label_val_fraction: float = 0.1
     data: str = "sharegpt"
-    data_val_fraction: float = VAL_FRACTION
+    val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
     limit: int = 8
     max_new_tokens: int = 128
     temperature: float = 0.0
     head_vocab: int = 8192
-    dtype: str = "auto"
-    device: str = "cpu"
     repeats: int = 2
     seed: int = 0
 
@@ -82,8 +77,8 @@ class TuneConfig:
             raise DraftsmithError(f"--policy must be {', '.join(HEAD_KINDS)} or confidence, got {self.policy!r}")
         if self.policy == "confidence" and self.labels is None:
             raise DraftsmithError("--policy confidence tunes on labelled drafts: give --labels (`draftsmith labels`)")
-        if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.max_ks or []):
-            raise DraftsmithError("--thresholds must lie in [0, 1] and --max_ks be >= 1")
+        if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.ks or []):
+            raise DraftsmithError("--thresholds must lie in [0, 1] and --ks be >= 1")
         if self.repeats < 1 or self.limit < 1:
             raise DraftsmithError("--repeats and --limit must be >= 1")
         if self.tree is not None and self.policy == "confidence":
@@ -101,8 +96,8 @@ class TuneConfig:
         thresholds = self.thresholds or (list(head.grid) if head else [])
         if self.tree is not None:  # a tree round drafts at most its depth
             return [(t, self.tree_shape().depth) for t in thresholds]
-        max_ks = self.max_ks or (list(head.max_ks) if head else [4, 6, 8])
-        return [(t, k) for k in max_ks for t in thresholds]
+        ks = self.ks or (list(head.ks) if head else [4, 6, 8])
+        return [(t, k) for k in ks for t in thresholds]
 
 
 def roc_threshold(scores: Any, accepted: Any, fnr_cost: float = ROC_FNR_COST) -> tuple[float, dict[str, float]]:
@@ -128,7 +123,7 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
         from draftsmith.data.labels import read_labels
 
         _, rows, ids, chat_of = read_labels(cfg.labels)
-        val = torch.tensor([split_of(i, cfg.val_fraction) == "val" for i in ids], dtype=torch.bool)[chat_of]
+        val = torch.tensor([split_of(i, cfg.label_val_fraction) == "val" for i in ids], dtype=torch.bool)[chat_of]
         threshold, at = roc_threshold(rows["top_probs"][val, 0], rows["hard"][val])
         chosen = {"threshold": threshold, "rule": f"ROC: minimum FPR + {ROC_FNR_COST:g}·FNR", **at, "labels": cfg.labels}
         update_stop_heads(cfg.drafter, "confidence", {"tuned": {"greedy": chosen}})
@@ -151,11 +146,11 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.runtime.sampling import SamplingConfig
 
     console = console or Console(stderr=True)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
     head, section = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
-    prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.data_val_fraction, cfg.data_limit)
+    prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.val_fraction, cfg.data_limit)
     ids = [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
     sampling = SamplingConfig(cfg.temperature)
     eos = target.eos_token_ids
@@ -164,7 +159,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     grid = cfg.grid()
 
     def policy_for(point: tuple[float, int]):
-        return lambda prompt: make_policy(cfg.policy, head=head, threshold=point[0], max_k=point[1])
+        return lambda prompt: make_policy(cfg.policy, head=head, threshold=point[0], k=point[1])
 
     decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed, tree=tree)  # warm-up
     rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}
@@ -182,9 +177,9 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     speed = {p: statistics.median(v) for p, v in rates.items()}
     best = max(grid, key=lambda p: speed[p])
     mode = tuned_key(cfg.temperature == 0, tree is not None)
-    chosen = {"threshold": best[0], "max_k": best[1], "tokens_per_second": round(speed[best], 2),
+    chosen = {"threshold": best[0], "k": best[1], "tokens_per_second": round(speed[best], 2),
               **({"tree": cfg.tree} if tree is not None else {}),
-              "grid": [{"threshold": t, "max_k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
+              "grid": [{"threshold": t, "k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
                        for t, k in grid],
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
                           "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": target.dtype_name,

@@ -31,7 +31,7 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
     best = best_scores(ckpt)
     section = {"head": head_config(module.head), "target": run["target"], "drafter": run["drafter"],
                "label": module.hparams.label,
-               "labels": {k: run[k] for k in ("k_max", "top_k", "chain", "data", "max_positions")},
+               "labels": {k: run[k] for k in ("k", "top_k", "chain", "data", "max_positions")},
                "provenance": {"checkpoint": ckpt["path"], "global_step": ckpt.get("global_step"), "best_scores": best,
                               "hyper_parameters": {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}},
                "tuned": {}}

@@ -17,48 +17,34 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.options import ChatOptions, TargetOptions
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclass
-class ExtractConfig:
-    """Options of `draftsmith extract`.
+@dataclass(kw_only=True)
+class ExtractConfig(TargetOptions, ChatOptions):
+    """Options of `draftsmith extract` (the target's, the chats', and these).
 
     Args:
-        target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
-        data: chat source, as for `draftsmith data stats`.
         out: the feature directory.
         layer_ids: extra hidden states to keep (id i = output_hidden_states[i]), e.g. [2,15,27] for EAGLE-3.
-        max_length: tokens per chat; longer chats are truncated (counted in the manifest).
-        limit: use only the first LIMIT kept conversations.
         shard_size: conversations per shard (the unit of resumption).
         batch_tokens: padded tokens per forward batch.
-        dtype: the target's compute dtype: bfloat16, float32, or auto (the faster of the two for
-            batched work on this device, measured; a resumed run keeps the type it started with).
         feature_dtype: dtype of the stored features.
-        device: cpu, cuda, cuda:1, ...
         devices: processes to extract with (each takes every N-th shard); torchrun works too.
         device_map: accelerate placement for a target larger than one device (e.g. auto).
         adapter: a peft LoRA adapter directory merged into the target on load.
-        trust_remote_code: allow a hub model's own code to run.
     """
 
-    target: str
-    data: str
     out: str
     layer_ids: list[int] = field(default_factory=list)
-    max_length: int = 2048
-    limit: int | None = None
     shard_size: int = 64
     batch_tokens: int = 8192
-    dtype: str = "auto"
     feature_dtype: str = "bfloat16"
-    device: str = "cpu"
     devices: int = 1
     device_map: str | None = None
     adapter: str | None = None
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_length", "shard_size", "batch_tokens", "devices"):

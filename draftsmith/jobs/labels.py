@@ -1,7 +1,7 @@
 """`draftsmith labels`: what a stop head learns from, by running a trained drafter and its target.
 
 For every assistant position t of a chat (the sequence ids[:t+1], the next token an assistant
-token) the drafter drafts a chain of `k_max` tokens, exactly as the runtime drafts a round after
+token) the drafter drafts a chain of `k` tokens, exactly as the runtime drafts a round after
 that sequence (`Proposer.chains`: all positions of a chat at once, one drafter forward per depth;
 a feature drafter's later tokens read its own hidden states), and the target scores every chain in
 one forward per depth under a mask that lets each chain see only its prefix and itself. A row per
@@ -9,7 +9,7 @@ one forward per depth under a mask that lets each chain see only its prefix and 
 verification made of token j:
 
     hidden (N, H)       the drafter state that produced token j's distribution (DraftStep.hidden)
-    top_probs (N, k)    that distribution's largest probabilities; entropy (N,) in nats
+    top_probs (N, top_k) that distribution's largest probabilities; entropy (N,) in nats
     token_greedy, token_sampled (N,)   its argmax and a token sampled from it at T = 1
     q_greedy, q_sampled, p_greedy, p_sampled (N,)   drafter and target probabilities of them
     target_argmax (N,)  the target's greedy token after the same prefix
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftsmith import DraftsmithError
+from draftsmith.options import ChatOptions, TargetOptions
 
 if TYPE_CHECKING:
     import torch
@@ -40,50 +41,41 @@ if TYPE_CHECKING:
 CHAINS = ("greedy", "sample")
 
 
-@dataclass
-class LabelsConfig:
-    """Options of `draftsmith labels`.
+@dataclass(kw_only=True)
+class LabelsConfig(TargetOptions, ChatOptions):
+    """Options of `draftsmith labels` (the target's, the chats', and these).
 
     Args:
-        target: the target model, as for extract.
         drafter: the drafter's native export directory.
         data: chats to label, best the target's own answers (`draftsmith regenerate` output).
         out: the label directory.
-        k_max: tokens drafted after every position: the longest draft a head will judge.
+        k: tokens drafted after every position: the longest draft a head will judge.
         top_k: drafter probabilities kept per drafted token (a DISCO classifier reads up to this many).
         chain: greedy (each chain continues with the drafter's argmax, as greedy decoding drafts) or sample
             (with the token sampled at T = 1).
         head_vocab: a standalone drafter's ranked head, as for eval: labels and decoding must use the same.
         max_positions: label at most this many positions per chat (spread evenly); all when omitted.
-        limit: use only the first LIMIT kept conversations.
-        max_length: tokens per chat; longer chats are truncated.
+        max_length: tokens per chat; longer chats are truncated (every position drafts a chain: shorter
+            than extraction's default).
         shard_size: conversations per shard (the unit of resumption).
-        dtype: target and drafter compute dtype: bfloat16, float32, or auto (the type `eval` takes on
-            this device, so that the labels are decoding's; a resumed run keeps the type it started with).
         hidden_dtype: dtype of the stored hidden states.
-        device: cpu, cuda, ...
         seed: seed of the sampled tokens (each chat's own stream, so shards do not depend on the order).
     """
 
-    target: str
     drafter: str
-    data: str
     out: str
-    k_max: int = 8
+    k: int = 8
     top_k: int = 16
     chain: str = "greedy"
     head_vocab: int = 8192
     max_positions: int | None = None
-    limit: int | None = None
     max_length: int = 1024
     shard_size: int = 16
-    dtype: str = "auto"
     hidden_dtype: str = "bfloat16"
-    device: str = "cpu"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("k_max", "top_k", "max_length", "shard_size"):
+        for name in ("k", "top_k", "max_length", "shard_size"):
             if getattr(self, name) < 1:
                 raise DraftsmithError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.chain not in CHAINS:
@@ -103,9 +95,9 @@ def label_positions(loss_mask: list[int], first: int, max_positions: int | None)
     return positions
 
 
-def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int], k_max: int, top_k: int,
+def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int], k: int, top_k: int,
                chain: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The rows of one chat (n positions × k_max depths, position-major): see the module docstring."""
+    """The rows of one chat (n positions × k depths, position-major): see the module docstring."""
     import torch
 
     from draftsmith.models.heads import distribution_summary
@@ -128,9 +120,9 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
                           "q_sampled": q.gather(-1, sampled[:, None])[:, 0].cpu()})
         return greedy if chain == "greedy" else sampled
 
-    proposer.chains(ids, positions, k_max, pick, final, aux)
+    proposer.chains(ids, positions, k, pick, final, aux)
     reached = torch.ones(n, dtype=torch.bool)  # every earlier token of the chain was the target's argmax
-    for d in range(1, k_max + 1):
+    for d in range(1, k + 1):
         if d == 1:
             p = torch.softmax(logits[at].float(), -1)
         else:  # the chains' token d−1 after each prefix, fed to the target
@@ -146,10 +138,10 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
         row["hard"] = (row["token_greedy"] == row["target_argmax"]).to(torch.uint8)
         row["reached"] = reached.to(torch.uint8)
         reached = reached & (row["token_greedy" if chain == "greedy" else "token_sampled"] == row["target_argmax"])
-    stacked = {k: torch.stack([row[k] for row in per_depth], 1) for k in per_depth[0]}  # (n, K, ...)
-    out = {k: v.reshape(n * k_max, *v.shape[2:]) for k, v in stacked.items()}
-    out["anchor"] = torch.tensor(positions, dtype=torch.int32).repeat_interleave(k_max)
-    out["depth"] = torch.arange(1, k_max + 1, dtype=torch.uint8).repeat(n)
+    stacked = {name: torch.stack([row[name] for row in per_depth], 1) for name in per_depth[0]}  # (n, K, ...)
+    out = {name: v.reshape(n * k, *v.shape[2:]) for name, v in stacked.items()}
+    out["anchor"] = torch.tensor(positions, dtype=torch.int32).repeat_interleave(k)
+    out["depth"] = torch.arange(1, k + 1, dtype=torch.uint8).repeat(n)
     return out
 
 
@@ -177,7 +169,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     convs, _ = load_conversations(cfg.data, limit=cfg.limit)
     # labels stand for decoding's decisions, so they take the type decoding takes here; a resumed run keeps its own
     dtype = resolve_dtype(cfg.dtype, cfg.device, "decode", recorded(out, "dtype"))
-    target = load_target(cfg.target, dtype=dtype, device=cfg.device)
+    target = load_target(cfg.target, dtype=dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if not proposer.drafts:
         raise DraftsmithError("--drafter: labels need a drafter export")
@@ -187,7 +179,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     run = {"format": LABELS_FORMAT, "target": target.identity.as_dict(),
            "drafter": drafter_identity(proposer, cfg.head_vocab), "drafter_path": cfg.drafter,
            "drafter_description": description,
-           "hidden_size": hidden_size, "k_max": cfg.k_max, "top_k": cfg.top_k, "chain": cfg.chain,
+           "hidden_size": hidden_size, "k": cfg.k, "top_k": cfg.top_k, "chain": cfg.chain,
            "max_positions": cfg.max_positions, "data": {"source": cfg.data, "limit": cfg.limit},
            "max_length": cfg.max_length, "shard_size": cfg.shard_size, "dtype": dtype,
            "hidden_dtype": cfg.hidden_dtype, "seed": cfg.seed}
@@ -211,9 +203,9 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
                 positions = label_positions(chat.loss_mask, first, cfg.max_positions)
                 if positions:
                     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + zlib.crc32(chat.id.encode()))
-                    done.append((chat.id, label_chat(runner, proposer, chat.input_ids, positions, cfg.k_max, cfg.top_k,
+                    done.append((chat.id, label_chat(runner, proposer, chat.input_ids, positions, cfg.k, cfg.top_k,
                                                      cfg.chain, g)))
-                    rows_done += len(positions) * cfg.k_max
+                    rows_done += len(positions) * cfg.k
                 rate = rows_done / max(time.perf_counter() - started, 1e-9)
                 progress.update(task, advance=1, rate=f"{rate:,.0f}")
             write_label_shard(out, p, done, {"skipped": dict(skipped), "truncated": dict(truncated)},

@@ -21,17 +21,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
+from draftsmith.options import ChatOptions, TargetOptions
 
 
-@dataclass
-class RegenerateConfig:
-    """Options of `draftsmith regenerate`.
+@dataclass(kw_only=True)
+class RegenerateConfig(TargetOptions, ChatOptions):
+    """Options of `draftsmith regenerate` (the target's, the chats', and these).
 
     Args:
-        target: the target model, as for extract.
-        data: chat source whose user turns are answered, as for `draftsmith data stats`.
         out: the .jsonl file to write (with OUT.meta.json: target and settings).
-        limit: use only the first LIMIT kept conversations.
         turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
         max_new_tokens: longest answer; longer ones are cut (counted).
         max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
@@ -39,17 +37,10 @@ class RegenerateConfig:
         top_p: nucleus filtering when sampling.
         batch_size: prompts generated together (grouped by length).
         chunk: conversations finished and appended to OUT together (the unit of resumption).
-        dtype: the target's compute dtype: bfloat16, float32, or auto (the faster of the two for decoding on
-            this device, measured).
-        device: cpu, cuda, ...
         seed: sampling seed.
-        trust_remote_code: allow a hub model's own code to run.
     """
 
-    target: str
-    data: str
     out: str
-    limit: int | None = None
     turns: str = "first"
     max_new_tokens: int = 512
     max_length: int = 2048
@@ -57,10 +48,7 @@ class RegenerateConfig:
     top_p: float | None = None
     batch_size: int = 16
     chunk: int = 64
-    dtype: str = "auto"
-    device: str = "cpu"
     seed: int = 0
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.turns not in ("first", "all"):

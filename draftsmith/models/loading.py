@@ -83,13 +83,14 @@ def tuned_key(greedy: bool, tree: bool) -> str:
 
 
 def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False) -> tuple[float, int] | None:
-    """(threshold, max_k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
+    """(threshold, k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
     (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
     tuned for tree rounds (`tune --tree`), else the chains'."""
     tuned = section.get("tuned", {})
     keys = [tuned_key(g, t) for t in ((True, False) if tree else (False,)) for g in (greedy, not greedy)]
     chosen = next((tuned[k] for k in keys if k in tuned), None)
-    return None if chosen is None else (chosen["threshold"], chosen["max_k"])
+    # exports tuned before the draft length was called k everywhere name it max_k
+    return None if chosen is None else (chosen["threshold"], chosen.get("k", chosen.get("max_k")))
 
 
 def update_stop_heads(directory: str | Path, kind: str, section: dict[str, Any],

@@ -81,7 +81,7 @@ class HeadKind:
         config: the head's config dataclass (`module:Class`), as checkpoints and exports store it.
         trainer: the LightningModule that trains it.
         grid: the thresholds `draftsmith tune` tries.
-        max_ks: the maximum draft lengths `draftsmith tune` tries with them.
+        ks: the maximum draft lengths `draftsmith tune` tries with them.
     """
 
     name: str
@@ -90,7 +90,7 @@ class HeadKind:
     config: str
     trainer: str
     grid: tuple[float, ...]
-    max_ks: tuple[int, ...]
+    ks: tuple[int, ...]
 
     @property
     def trainer_class(self) -> Any:
@@ -119,11 +119,11 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, STAN
 SPECDEC = HeadKind(
     name="specdec", title="SpecDec++ acceptance head", model="draftsmith.models.heads:AcceptanceHead",
     config="draftsmith.models.heads:AcceptanceHeadConfig", trainer="draftsmith.train.heads:StopHeadModule",
-    grid=(0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99), max_ks=(8,))
+    grid=(0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99), ks=(8,))
 DISCO = HeadKind(
     name="disco", title="DISCO stop classifier", model="draftsmith.models.heads:StopClassifier",
     config="draftsmith.models.heads:StopClassifierConfig", trainer="draftsmith.train.heads:StopHeadModule",
-    grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), max_ks=(4, 6, 8))
+    grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), ks=(4, 6, 8))
 
 HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (SPECDEC, DISCO)}
 

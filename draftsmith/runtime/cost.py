@@ -75,7 +75,7 @@ class CostAware:
     A drafted token costs c rounds (measured by `meter`, or fixed by `cost`) and saves one round
     if it and every token before it are accepted. Before the first token that chance is α̂, the
     running acceptance rate; after j tokens it is α̂ · Π_{i≤j} q_i, q_i the drafter's top
-    probability for token i. The policy drafts while the chance is at least c, up to max_k; a
+    probability for token i. The policy drafts while the chance is at least c, up to k; a
     round where not even the first token pays is a plain target step, so a drafter too weak or
     too slow for its target costs little against autoregressive decoding. After `probe` plain
     rounds in a row one round drafts anyway, so α̂ keeps up with the text; while probes find no
@@ -88,7 +88,7 @@ class CostAware:
     that no later round drafts again, and the probes, each one resuming, would never correct it.
     """
 
-    max_k: int = 8
+    k: int = 8
     cost: float | None = None
     probe: int = 8
     max_probe: int = 64
@@ -103,13 +103,13 @@ class CostAware:
     _round_end: float | None = field(default=None, repr=False)  # when the previous round ended
 
     def max_tokens(self) -> int:
-        return self.max_k
+        return self.k
 
     def keep_going(self, step: DraftStep) -> bool:
         if step.position == 0:
             return self._draft_at_all()
         cost, alpha = self._pay  # the meter changes only between rounds
-        if step.position >= self.max_k or cost is None or alpha is None:  # still measuring: one token a round
+        if step.position >= self.k or cost is None or alpha is None:  # still measuring: one token a round
             return False
         self.chance *= float(step.q_raw.max())
         return alpha * self.chance >= cost

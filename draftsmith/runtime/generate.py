@@ -61,32 +61,32 @@ class GenerationResult:
         return 1 + sum(r.target_forwards for r in self.rounds)  # the prefill included
 
 
-def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], policy: Policy, max_k: int,
+def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], policy: Policy, k: int,
                  sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
     """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
     token, the forward's outputs, and (drafted, depth)."""
     bild = isinstance(rule, Rollback)
     if bild and rule.fallback is not None:
         policy = Fallback(policy, rule.fallback)  # stops after the first unsure token; dropped below
-    draft, q, q_raw = proposer.propose(sequence, policy, max_k, sampling, generator)
+    draft, q, q_raw = proposer.propose(sequence, policy, k, sampling, generator)
     if bild and len(draft):
         kept = rule.confident(q_raw)
         draft, q, q_raw = draft[:kept], q[:kept], q_raw[:kept]
-    k = len(draft)
+    n = len(draft)
     logits, final, aux = runner.forward([sequence[-1]] + draft)  # (K+1, V)
     if sampling.greedy and rule is None:
         accepted, token = verify_greedy(torch.tensor(draft, dtype=torch.long, device=logits.device), greedy_tokens(logits))
     elif bild:
         p_raw, p = distributions(logits, sampling)
-        accepted, token = rule.verify(torch.tensor(draft, dtype=torch.long, device=p.device), p_raw[:k], p, generator)
+        accepted, token = rule.verify(torch.tensor(draft, dtype=torch.long, device=p.device), p_raw[:n], p, generator)
     else:
         p_raw, p = distributions(logits, sampling)
         pi = p.clone()
-        if rule is not None and k:
-            pi[:k] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:k], p[:k])
+        if rule is not None and n:
+            pi[:n] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:n], p[:n])
         accepted, token = verify_chain(torch.tensor(draft, dtype=torch.long, device=p.device), q.to(p.device), pi, generator)
-    runner.rollback(k - accepted)
-    return draft[:accepted], token, (final, aux), (k, k)
+    runner.rollback(n - accepted)
+    return draft[:accepted], token, (final, aux), (n, n)
 
 
 def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int], shape: TreeShape, room: int,

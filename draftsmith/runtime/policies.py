@@ -46,7 +46,7 @@ class Heuristic:
     """transformers' assisted-generation schedule: +2 after a fully accepted draft, −1 otherwise."""
 
     k: int = 5
-    max_k: int = 16
+    ceiling: int = 16  # the longest it grows to
     name: str = "heuristic"
 
     def max_tokens(self) -> int:
@@ -56,7 +56,7 @@ class Heuristic:
         return step.position < self.k
 
     def end_round(self, drafted: int, accepted: int) -> None:
-        self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+        self.k = min(self.ceiling, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
 def sure(step: DraftStep, threshold: float) -> bool:
@@ -66,17 +66,17 @@ def sure(step: DraftStep, threshold: float) -> bool:
 
 @dataclass
 class Confidence:
-    """Draft while the drafter's top probability stays at or above `threshold` (at most max_k)."""
+    """Draft while the drafter's top probability stays at or above `threshold` (at most k)."""
 
     threshold: float = 0.4
-    max_k: int = 8
+    k: int = 8
     name: str = "confidence"
 
     def max_tokens(self) -> int:
-        return self.max_k
+        return self.k
 
     def keep_going(self, step: DraftStep) -> bool:
-        return step.position < self.max_k and sure(step, self.threshold)
+        return step.position < self.k and sure(step, self.threshold)
 
     def end_round(self, drafted: int, accepted: int) -> None:
         pass
@@ -107,23 +107,23 @@ class Oracle:
 
     It knows the target's own greedy continuation (`reference`: prompt + continuation) and, after
     every prefix reference[:t+1], the drafter's own greedy chain (`drafts`: t → tokens, see
-    `oracle_drafts`). It drafts exactly the tokens verification will accept, at most max_k: a
+    `oracle_drafts`). It drafts exactly the tokens verification will accept, at most k: a
     perfect stop decision made before each drafter step, so it is charged only for what it keeps
     (its rounds reject nothing). Greedy only.
     """
 
     reference: Sequence[int] = ()
     drafts: dict[int, list[int]] = field(default_factory=dict)
-    max_k: int = 8
+    k: int = 8
     name: str = "oracle"
 
     def max_tokens(self) -> int:
-        return self.max_k
+        return self.k
 
     def keep_going(self, step: DraftStep) -> bool:
         chain = self.drafts.get(step.committed - 1, ())
         at = step.committed + step.position  # where the next drafted token would sit in the sequence
-        return (step.position < min(self.max_k, len(chain)) and at < len(self.reference)
+        return (step.position < min(self.k, len(chain)) and at < len(self.reference)
                 and chain[step.position] == self.reference[at])
 
     def end_round(self, drafted: int, accepted: int) -> None:
@@ -136,25 +136,25 @@ class AcceptanceStop:
 
     The acceptance head reads the drafter's hidden state that drafted token i and predicts a_i, its
     chance of acceptance; after token j the chance that some token so far is rejected is
-    1 − Π_{i≤j} a_i. The first token is always drafted, at most max_k. A larger threshold, longer drafts.
+    1 − Π_{i≤j} a_i. The first token is always drafted, at most k. A larger threshold, longer drafts.
     """
 
     head: Any
     threshold: float = 0.5
-    max_k: int = 8
+    k: int = 8
     name: str = SPECDEC.name
     accepted: float = field(default=1.0, repr=False)  # Π a_i of this round's draft so far
     nodes: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)  # a tree round's a_i by path
 
     def max_tokens(self) -> int:
-        return self.max_k
+        return self.k
 
     @torch.no_grad()
     def keep_going(self, step: DraftStep) -> bool:
         if step.position == 0:
             self.accepted = 1.0
-            return self.max_k > 0
-        if step.position >= self.max_k:
+            return self.k > 0
+        if step.position >= self.k:
             return False
         self.accepted *= self.head.acceptance(step.hidden, step.q_raw, step.position)
         return 1 - self.accepted <= self.threshold
@@ -166,7 +166,7 @@ class AcceptanceStop:
         a_i is computed once a round."""
         if level.levels == 1:
             self.nodes = {}
-        if level.levels >= self.max_k:
+        if level.levels >= self.k:
             return False
         accepted, tokens = 1.0, ()
         for step in level.path:
@@ -183,22 +183,22 @@ class AcceptanceStop:
 @dataclass
 class ClassifierStop:
     """DISCO: keep drafting while the stop classifier's confidence in the last drafted token stays at or
-    above `threshold`, at most max_k (SL_max) tokens. The classifier reads the distribution the token was
+    above `threshold`, at most k (SL_max) tokens. The classifier reads the distribution the token was
     drawn from (its top-k probabilities and entropy) and the token's position in the round."""
 
     head: Any
     threshold: float = 0.5
-    max_k: int = 8
+    k: int = 8
     name: str = DISCO.name
 
     def max_tokens(self) -> int:
-        return self.max_k
+        return self.k
 
     @torch.no_grad()
     def keep_going(self, step: DraftStep) -> bool:
         if step.position == 0:
-            return self.max_k > 0
-        return step.position < self.max_k and self.head.confidence(step.q_raw, step.position) >= self.threshold
+            return self.k > 0
+        return step.position < self.k and self.head.confidence(step.q_raw, step.position) >= self.threshold
 
     def expand(self, level: TreeLevel) -> bool:
         """Trees: draft the next level while the best node it would expand passes the chain's rule (the

@@ -45,9 +45,9 @@ class Proposer(Protocol):
         """The tokens committed last round with their target features (n, H) and fused aux (n, k*Ht)."""
         ...
 
-    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        """Draft up to max_k tokens after `sequence`, asking `policy` before each."""
+        """Draft up to k tokens after `sequence`, asking `policy` before each."""
         ...
 
 
@@ -140,7 +140,7 @@ class NoProposer:
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
 
-    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         return _empty(self.vocab_size)
 
@@ -245,24 +245,24 @@ class FeatureProposer:
 
     @torch.no_grad()
     @under_packed_linears
-    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         if self.graphs is not None and type(policy) is Static:
-            if min(max_k, policy.k) <= 0:
+            if min(k, policy.k) <= 0:
                 return _empty(self.vocab_size)
-            tokens, scaled, raw = self._fixed_chain(min(max_k, policy.k), sampling, generator)
+            tokens, scaled, raw = self._fixed_chain(min(k, policy.k), sampling, generator)
             return tokens.tolist(), scaled, raw
         tokens, scaled, raw = [], [], []
         hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token
         step = DraftStep(0, hidden=hidden[0, 0], committed=committed)
-        while len(tokens) < max_k and policy.keep_going(step):
+        while len(tokens) < k and policy.keep_going(step):
             r, s = self._next(hidden, sampling)
             x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
             tokens.append(x)
             scaled.append(s)
             raw.append(r)
             step = DraftStep(len(tokens), x, r, hidden[0, 0], committed)
-            if len(tokens) < max_k:  # the next step reads (embed(x), own hidden) one position on
+            if len(tokens) < k:  # the next step reads (embed(x), own hidden) one position on
                 position = torch.tensor([[self.anchors - 1 + len(tokens)]], device=hidden.device)
                 keys = self.cache.get_seq_length() + 1
                 mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=hidden.device)

@@ -93,7 +93,7 @@ class ModelProposer:
                          lambda d, q, h: pick(d, self._to_target(q), h), self.model.config)
 
     @torch.no_grad()
-    def propose(self, sequence: list[int], policy: Policy, max_k: int, sampling: SamplingConfig,
+    def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
         # keep the keys of last round's drafts that were accepted; drop the rest. The sequence's last token
         # is fed again even when its keys are there (BiLD's rollback may commit a rejected token anew):
@@ -107,7 +107,7 @@ class ModelProposer:
             self.cache.crop(-extra)
         self.cached, self.fed = list(sequence[: start + keep]), []
         committed = len(sequence)
-        if max_k <= 0 or not policy.keep_going(DraftStep(0, committed=committed)):
+        if k <= 0 or not policy.keep_going(DraftStep(0, committed=committed)):
             return _empty(self.vocab_size)
         logits, hidden = self._next_logits(sequence[len(self.cached):])
         self.cached = list(sequence)
@@ -119,7 +119,7 @@ class ModelProposer:
             tokens.append(x)
             scaled.append(s)
             raw.append(r)
-            if len(tokens) >= max_k or not policy.keep_going(DraftStep(len(tokens), x, r, hidden, committed)):
+            if len(tokens) >= k or not policy.keep_going(DraftStep(len(tokens), x, r, hidden, committed)):
                 break
             logits, hidden = self._next_logits([x])
             self.fed.append(x)

@@ -65,8 +65,8 @@ class LabelDataModule(pl.LightningDataModule):
         self.run, self.rows, ids, chat_of = read_labels(self.labels)
         keep = torch.ones(len(chat_of), dtype=torch.bool)
         if self.max_depth is not None:
-            if self.max_depth > self.run["k_max"]:
-                raise DraftsmithError(f"--data.max_depth {self.max_depth}: {self.labels} labels depths up to {self.run['k_max']}")
+            if self.max_depth > self.run["k"]:
+                raise DraftsmithError(f"--data.max_depth {self.max_depth}: {self.labels} labels depths up to {self.run['k']}")
             keep = self.rows["depth"].long() <= self.max_depth
         val_chat = torch.tensor([split_of(i, self.val_fraction) == "val" for i in ids], dtype=torch.bool)
         in_val = val_chat[chat_of] if len(ids) else keep

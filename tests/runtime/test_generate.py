@@ -77,11 +77,11 @@ def test_always_right_and_always_wrong_drafters(target):
     assert [r.accepted + 1 for r in right.rounds] == [5] * 4  # τ = K + 1
 
     class Wrong(NoProposer):
-        def propose(self, sequence, policy, max_k, sampling, generator):
+        def propose(self, sequence, policy, k, sampling, generator):
             logits = target(torch.tensor([sequence])).logits[0, -1]
             bad = (int(logits.argmax()) + 1) % V
-            q = torch.nn.functional.one_hot(torch.tensor([bad] * max_k, dtype=torch.long), V).float()
-            return [bad] * max_k, q, q
+            q = torch.nn.functional.one_hot(torch.tensor([bad] * k, dtype=torch.long), V).float()
+            return [bad] * k, q, q
 
     wrong = generate(TargetRunner(target), Wrong(V), prompt, 12, Static(3))
     assert all(r.accepted == 0 and r.committed == 1 for r in wrong.rounds)  # τ = 1

@@ -113,13 +113,13 @@ def test_a_hand_set_acceptance_head_stops_where_its_formula_says(target):
     """a = 0.8 everywhere, h = 0.5: 1 − 0.8^j first exceeds 0.5 at j = 4, so every round drafts 4 tokens."""
     proposer = proposers(target)["standalone"]
     runner = TargetRunner(target)
-    policy = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.5, max_k=8)
+    policy = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.5, k=8)
     out = generate(runner, proposer, [1, 2, 3], 40, policy)
     assert {r.drafted for r in out.rounds[:-2]} == {4}
     assert [policy.keep_going(DraftStep(j, 5, torch.ones(V) / V, torch.zeros(16))) for j in range(6)] == \
         [True, True, True, True, False, False]
     assert out.rounds[-1].drafted <= 4  # cut by the room left
-    longer = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.7, max_k=8)  # 1 − 0.8^6 = 0.74 > 0.7
+    longer = AcceptanceStop(constant_acceptance_head(16, 0.8), threshold=0.7, k=8)  # 1 − 0.8^6 = 0.74 > 0.7
     assert {r.drafted for r in generate(runner, proposer, [1, 2, 3], 40, longer).rounds[:-2]} == {6}
 
 
@@ -129,8 +129,8 @@ def test_a_hand_set_stop_classifier_stops_where_its_formula_says(target):
     proposer = proposers(target)["standalone"]
     runner = TargetRunner(target)
     for cut in (0.05, 0.08, 0.12):
-        disco = generate(runner, proposer, [1, 2, 3], 40, ClassifierStop(top1_classifier(4, cut), 0.5, max_k=6))
-        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, max_k=6))
+        disco = generate(runner, proposer, [1, 2, 3], 40, ClassifierStop(top1_classifier(4, cut), 0.5, k=6))
+        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, k=6))
         assert [r.drafted for r in disco.rounds] == [r.drafted for r in confidence.rounds]
     drafted = {r.drafted for r in disco.rounds}
     assert len(drafted) > 1  # the decisions vary, so the comparison tests something
@@ -150,8 +150,8 @@ def test_an_acceptance_head_with_draft_features_reads_the_drafters_distribution(
                 p.zero_()  # the residual blocks pass their input through unchanged
             head.out.weight[0, size] = 200.0  # the first feature after the hidden state: top-1
             head.out.bias.fill_(-200.0 * cut)
-        specdec = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, 0.5, max_k=6))
-        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, max_k=6))
+        specdec = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, 0.5, k=6))
+        confidence = generate(runner, proposer, [1, 2, 3], 40, Confidence(cut, k=6))
         assert [r.drafted for r in specdec.rounds] == [r.drafted for r in confidence.rounds]
     assert len({r.drafted for r in specdec.rounds}) > 1  # the decisions vary, so the comparison tests something
     with pytest.raises(DraftsmithError, match="reads the drafter's distribution"):
@@ -225,8 +225,8 @@ def test_a_stop_head_grows_a_top1_tree_as_deep_as_the_chain_it_drafts(target, ki
     for cut in [(top1[i] + top1[i + 1]) / 2 for i in (len(top1) // 5, len(top1) // 2, 4 * len(top1) // 5)]:  # between two
         def make():
             if policy_name == "specdec":
-                return AcceptanceStop(top1_acceptance_head(hidden_size(proposer), cut), 0.5, max_k=6)
-            return ClassifierStop(top1_classifier(4, cut), 0.5, max_k=6)
+                return AcceptanceStop(top1_acceptance_head(hidden_size(proposer), cut), 0.5, k=6)
+            return ClassifierStop(top1_classifier(4, cut), 0.5, k=6)
         for prompt, expected in greedy_cases(target, seeds=2):
             chain = generate(runner, proposer, prompt, 24, make())
             tree = generate(runner, proposer, prompt, 24, make(), tree=TreeShape(6, 1, 6))
@@ -248,7 +248,7 @@ def test_a_constant_acceptance_head_stops_a_wide_tree_where_its_formula_says(tar
     head.acceptance = lambda *a: calls.append(a) or counted(*a)
     for h, levels in ((0.5, 4), (0.6, 5)):
         calls.clear()
-        out = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, h, max_k=8), tree=TreeShape(6, 3, 10))
+        out = generate(runner, proposer, [1, 2, 3], 40, AcceptanceStop(head, h, k=8), tree=TreeShape(6, 3, 10))
         full = out.rounds[:-6]  # the last rounds are cut by the room left
         assert {r.drafter_forwards for r in full} == {levels}
         assert len(calls) <= sum(r.drafter_forwards for r in out.rounds) * 3  # not once per node per level

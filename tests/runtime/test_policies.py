@@ -60,7 +60,7 @@ def test_meter_fits_cost_per_token_and_acceptance():
 def test_measures_first_then_drafts_while_a_token_pays():
     clock = Clock()
     meter = CostMeter()
-    policy = CostAware(max_k=6, meter=meter, clock=clock)
+    policy = CostAware(k=6, meter=meter, clock=clock)
     assert play(policy, clock, [], 0) == 0  # a generation's first round is not timed
     assert play(policy, clock, [], 0) == 0  # plain steps until one has timed R0
     assert play(policy, clock, [0.99] * 6, 1) == 1  # cost not known yet: one token
@@ -86,7 +86,7 @@ def test_a_slow_catch_up_does_not_price_drafting_out():
     round, would confirm it. The round after a resuming one times steady drafting instead."""
     clock = Clock()
     meter = CostMeter()
-    policy = CostAware(max_k=4, meter=meter, clock=clock)
+    policy = CostAware(k=4, meter=meter, clock=clock)
     ks = [play(policy, clock, [0.99] * 4, 4, resume_s=0.5) for _ in range(12)]
     assert meter.resumed and meter.resumed[0][1] > 0.5  # the resuming round was timed, prefill included
     assert ks[:4] == [0, 0, 1, 1]  # R0, then one token to learn α̂, then one more to time a steady round
@@ -96,7 +96,7 @@ def test_a_slow_catch_up_does_not_price_drafting_out():
 
 def test_a_drafter_that_does_not_pay_gets_plain_rounds_and_probes():
     clock = Clock()
-    policy = CostAware(max_k=4, cost=0.3, probe=5, clock=clock)
+    policy = CostAware(k=4, cost=0.3, probe=5, clock=clock)
     ks = [play(policy, clock, [0.2] * 4, 0) for _ in range(40)]
     assert ks[0] == 1  # α̂ unknown: draft to learn it
     assert all(k == 0 for k in ks[1:6]) and ks[6] == 1  # then a probe after 5 plain rounds
@@ -122,20 +122,20 @@ def test_the_runtime_with_a_cost_aware_policy(target):
     prompt, expected = next(greedy_cases(target))
     meter = CostMeter()
     for _ in range(2):
-        out = generate(TargetRunner(target), ModelProposer(target, V), prompt, 24, CostAware(max_k=4, meter=meter))
+        out = generate(TargetRunner(target), ModelProposer(target, V), prompt, 24, CostAware(k=4, meter=meter))
         assert out.tokens == expected
     assert meter.cost() is not None and meter.alpha() == 1.0
 
     class Wrong(NoProposer):
-        def propose(self, sequence, policy, max_k, sampling, generator):
-            if max_k <= 0 or not policy.keep_going(DraftStep(0)):
+        def propose(self, sequence, policy, k, sampling, generator):
+            if k <= 0 or not policy.keep_going(DraftStep(0)):
                 return [], torch.zeros(0, V), torch.zeros(0, V)
             logits = target(torch.tensor([sequence])).logits[0, -1]
             bad = (int(logits.argmax()) + 1) % V
             q = torch.nn.functional.one_hot(torch.tensor([bad]), V).float()
             return [bad], q, q
 
-    out = generate(TargetRunner(target), Wrong(V), prompt, 40, CostAware(max_k=4, cost=0.2, probe=4))
+    out = generate(TargetRunner(target), Wrong(V), prompt, 40, CostAware(k=4, cost=0.2, probe=4))
     assert out.tokens == generate(TargetRunner(target), NoProposer(V), prompt, 40, CostAware()).tokens
     drafted = [r.drafted for r in out.rounds]
     assert sum(drafted) <= 1 + len(drafted) // 4 and drafted.count(0) > len(drafted) * 0.7
@@ -144,7 +144,7 @@ def test_the_runtime_with_a_cost_aware_policy(target):
 def test_eval_default_is_cost_aware_with_one_meter_per_run():
     new_policy = policy_factory(EvalConfig(target=""))
     a, b = new_policy([]), new_policy([])
-    assert isinstance(a, CostAware) and a.max_k == 4 and a.meter is b.meter
+    assert isinstance(a, CostAware) and a.k == 4 and a.meter is b.meter
     assert policy_factory(EvalConfig(target=""))([]).meter is not a.meter
 
 

@@ -1,0 +1,43 @@
+"""Option groups shared by commands: each command's config dataclass inherits the groups it takes,
+so an option is declared and documented once (`--help` reads these docstrings too).
+
+Imports nothing of draftsmith's but its error: every layer may compose these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TargetOptions:
+    """The target model and where it runs.
+
+    Args:
+        target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
+        dtype: compute dtype: bfloat16, float32, or auto (the faster of the two on this device for this
+            command's kind of work, measured and printed; a resumed run keeps the type it started with).
+        device: cpu, cuda, cuda:1, ...
+        trust_remote_code: allow a hub model's own code to run.
+    """
+
+    target: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+@dataclass(kw_only=True)
+class ChatOptions:
+    """A chat source and how much of it to use.
+
+    Args:
+        data: chats: `sharegpt` (embedded), a .json/.jsonl file, a `datasets` directory, .parquet/.csv, or
+            hf:NAME[:SPLIT].
+        limit: use only the first LIMIT kept conversations.
+        max_length: tokens per chat; longer chats are truncated (and counted).
+    """
+
+    data: str
+    limit: int | None = None
+    max_length: int = 2048
