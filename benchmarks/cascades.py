@@ -24,10 +24,11 @@ recipes/smollm2-135m/standalone-cpu.yaml` writes). Ends with `RESULT speedup_at_
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
+
+from harness import parser, result_line
 
 ROOT = Path(__file__).resolve().parents[1]
 # method: (mode, rule, alpha grid); lossy at T = 0 is Leviathan's greedy variant (V3 on the raw law)
@@ -43,7 +44,7 @@ METHODS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/standalone-cpu/export-native"))
     ap.add_argument("--data-limit", type=int, default=800, help="the recipe's data.limit (its validation split)")
     ap.add_argument("--prompts", type=int, default=5, help="held-out prompts decoded per point")
@@ -150,7 +151,7 @@ def summary(report: dict) -> str:
             within = [p[measure] for p in points if p["latency"] <= 1.0]
             best = (min if measure == "loss" else max)(within) if within else None
             keys[f"best_{short}_{name}{suffix}"] = f"{best:.4f}" if best is not None else "none"
-    return "RESULT " + " ".join(f"{k}={v}" for k, v in keys.items())
+    return result_line(keys)
 
 
 def plot(report: dict, path: Path) -> str | None:

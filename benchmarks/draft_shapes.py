@@ -16,16 +16,17 @@ recipe's native export. Ends with `RESULT best=<shape> tau_<shape>=... speedup_<
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
+
+from harness import parser, print_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/hass-cpu-full/export-native"))
     ap.add_argument("--shapes", nargs="+", default=["chain3", "3,4,8", "4,4,12", "5,6,24"])
     ap.add_argument("--limit", type=int, default=20)
@@ -98,7 +99,7 @@ def main() -> None:
         print(f"{name:<10}{taus[name]:>6.2f}{median[name]:>8.2f}x")
     best = max(median, key=median.get)
     keys = {name: name.replace(",", "_") for name in speedups}
-    print(f"RESULT best={keys[best]} " + " ".join(f"tau_{keys[n]}={taus[n]:.3f} speedup_{keys[n]}={median[n]:.3f}"
+    print_result(f"best={keys[best]} " + " ".join(f"tau_{keys[n]}={taus[n]:.3f} speedup_{keys[n]}={median[n]:.3f}"
                                                    for n in speedups))
 
 

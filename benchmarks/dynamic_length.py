@@ -30,7 +30,6 @@ for T = 1, `_humaneval` for HumanEval; --suffix _feature for a feature drafter).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import replace
@@ -38,13 +37,15 @@ from pathlib import Path
 
 import torch
 
+from harness import parser, print_result
+
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = [f"static{k}" for k in range(1, 9)]
 ARMS = ["heuristic", "confidence", "confidence_roc", "cost", "specdec", "disco", "oracle"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", required=True, help="native export carrying tuned specdec and disco heads")
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--labels", default=None, help="label directory: calibration plot of each head on its validation chats")
@@ -200,7 +201,7 @@ def main() -> None:
     speedup_plot(report, out / "dynamic_length.png")
     if args.labels:
         calibration_plot(args.labels, heads, out / "calibration.png")
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in keys.items()))
+    print_result(keys)
 
 
 def rate(results) -> float:

@@ -31,6 +31,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness import parser
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 TARGET = "embedded:smollm2-135m-instruct"
@@ -124,7 +126,7 @@ def vllm_arm(fmt: str, export_dir: Path, target_dir: str, prompts: list[list[int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", action="append", help="a native feature-drafter export (repeatable)")
     ap.add_argument("--limit", type=int, default=20, help="MT-bench first turns")
     ap.add_argument("--k", type=int, default=3, help="chain length K (drafted tokens per round)")

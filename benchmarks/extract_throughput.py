@@ -13,8 +13,6 @@ Ends with `RESULT ratio=<extract tok/s / plain tok/s> ...`; the target is >= 0.9
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -26,9 +24,11 @@ from draftsmith.data.conversations import load_conversations
 from draftsmith.jobs.extract import ExtractConfig, batches_by_length, extract, pad_batch
 from draftsmith.models.target import load_target
 
+from harness import alternate, medians, parser, print_result
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--data", default="sharegpt")
     ap.add_argument("--limit", type=int, default=48)
@@ -67,19 +67,14 @@ def main() -> None:
             return manifest["this_run"]["tokens_per_second"]
 
     plain()  # warm-up
-    rates = {"plain": [], "extract": []}
-    for r in range(args.repeats):
-        rates["plain"].append(plain())
-        rates["extract"].append(extraction())
-        print(f"repeat {r + 1}: plain {rates['plain'][-1]:,.0f} tok/s, "
-              f"extract {rates['extract'][-1]:,.0f} tok/s", flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    rates = alternate({"plain": plain, "extract": extraction}, args.repeats)
+    med = medians(rates)
     ratio = med["extract"] / med["plain"]
     print(f"{tokens:,} tokens in {len(batches)} batches, layers final + {args.layer_ids}, {args.dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"plain forward {med['plain']:,.0f} tok/s (spread {min(rates['plain']):,.0f}-{max(rates['plain']):,.0f}); "
           f"extract {med['extract']:,.0f} tok/s (spread {min(rates['extract']):,.0f}-{max(rates['extract']):,.0f})")
-    print(f"RESULT ratio={ratio:.3f} extract_tok_s={med['extract']:.0f} plain_tok_s={med['plain']:.0f} tokens={tokens}")
+    print_result(f"ratio={ratio:.3f} extract_tok_s={med['extract']:.0f} plain_tok_s={med['plain']:.0f} tokens={tokens}")
 
 
 if __name__ == "__main__":

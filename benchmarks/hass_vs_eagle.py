@@ -36,10 +36,11 @@ ratio_decode=...`; the issue's target is HASS / EAGLE >= 1.05. docs/benchmarks.m
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
+
+from harness import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +124,7 @@ def decode_tau(module: object, target: object, prompts: list[list[int]], max_new
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--pair", choices=sorted(PAIRS), default="full")
     ap.add_argument("--steps", type=int, default=None,
                     help=f"optimizer steps per arm (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")

@@ -17,7 +17,6 @@ Ends with `RESULT identical=... ratio_<V>=<one pass / cache rows> ... ratio_step
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.train import head_kernel as losses
+
+from harness import parser, print_result
 
 
 def fwd_bwd(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, cache_floats: int) -> tuple[torch.Tensor, ...]:
@@ -80,14 +81,14 @@ def training_steps(features: str, batches: int, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=1440)
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--vocabs", type=int, nargs="+", default=[49152, 8192])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--features", default="runs/smollm2-135m/features-sharegpt-800")
-    parser.add_argument("--batches", type=int, default=6)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--rows", type=int, default=1440)
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--vocabs", type=int, nargs="+", default=[49152, 8192])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--features", default="runs/smollm2-135m/features-sharegpt-800")
+    ap.add_argument("--batches", type=int, default=6)
+    args = ap.parse_args()
     default, chunk = losses.CACHE_FLOATS, losses.HEAD_CHUNK
     torch.manual_seed(0)
     results, identical = {}, True
@@ -111,7 +112,7 @@ def main() -> None:
         keys["ratio_step"] = f"{training_steps(args.features, args.batches, 3):.3f}"
     else:
         print(f"no feature shards in {args.features}: the training-step comparison is skipped (see hass-cpu.yaml)")
-    print(f"RESULT identical={str(identical).lower()} " + " ".join(f"{k}={v}" for k, v in keys.items()))
+    print_result(f"identical={str(identical).lower()} " + " ".join(f"{k}={v}" for k, v in keys.items()))
 
 
 if __name__ == "__main__":

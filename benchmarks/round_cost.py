@@ -69,30 +69,12 @@ is profiled too, per token (on a GPU: its kernels' busy time against its wall ti
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 from collections import defaultdict
 
 import torch
 
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from harness import median_ms, parser, print_result, synchronize
 
 
 RANDOM_TARGETS = {  # shapes of public checkpoints, built with random weights (nothing is downloaded)
@@ -229,7 +211,7 @@ def fresh_eagle3(target, layer_ids: list[int], draft_vocab: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=None,
                     help="a native feature-drafter export (default: a fresh EAGLE-3 drafter)")
     ap.add_argument("--context", type=int, default=400, help="tokens in the caches")
@@ -434,7 +416,7 @@ def main() -> None:
                   f"{alone[name]:.2f} ms")
             parts.append(f"loop_{'ar' if name == 'autoregressive' else shape_key(name)}{suffix}={ms / alone[name]:.3f}")
     parts += floor_keys(target.model, timed, args.repeats)
-    print("RESULT " + " ".join(parts))
+    print_result(" ".join(parts))
 
 
 def shape_key(name: str) -> str:

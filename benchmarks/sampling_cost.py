@@ -22,14 +22,11 @@ with the inverse-CDF draw, at the same acceptance.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import parser, print_result
 
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -39,7 +36,7 @@ def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=None, help="a native feature-drafter export (default: a fresh EAGLE-3)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -60,7 +57,8 @@ def main() -> None:
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig, sample
-    from round_cost import fresh_eagle3, median_ms
+    from harness import median_ms
+    from round_cost import fresh_eagle3
 
     samplers = {"": sample, "_multinomial": multinomial}
     users = (generate_module, proposers_module, verify_module, targets_module, tree_module)
@@ -106,7 +104,7 @@ def main() -> None:
     print(f"one draw: {draw['']:.0f} us (inverse CDF) against {draw['_multinomial']:.0f} us (multinomial)")
     print(f"autoregressive ms/token: {ms['ar']:.2f} against {ms['ar_multinomial']:.2f}; "
           f"chain round ms: {ms['round']:.2f} against {ms['round_multinomial']:.2f}")
-    print(f"RESULT draw_us={draw['']:.0f} draw_us_multinomial={draw['_multinomial']:.0f} ar_ms={ms['ar']:.2f} "
+    print_result(f"draw_us={draw['']:.0f} draw_us_multinomial={draw['_multinomial']:.0f} ar_ms={ms['ar']:.2f} "
           f"ar_ms_multinomial={ms['ar_multinomial']:.2f} round_ms={ms['round']:.2f} "
           f"round_ms_multinomial={ms['round_multinomial']:.2f} speedup_factor={factor:.3f}")
 

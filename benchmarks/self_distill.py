@@ -21,10 +21,10 @@ Ends with `RESULT tau_sharegpt=... tau_self=... ratio=<self/sharegpt>`.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
+
+from harness import parser, print_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "embedded:smollm2-135m-instruct"
@@ -39,7 +39,7 @@ def ensure_features(data: str, limit: int, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--limit", type=int, default=400)
     ap.add_argument("--self-limit", type=int, default=None,
                     help="chats regenerated for the self arm (default: --limit)")
@@ -49,7 +49,6 @@ def main() -> None:
     ap.add_argument("--tree", default="6,10,60")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench-self-distill"))
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from hass_vs_eagle import decode_tau, train_and_score
 
     from draftsmith.jobs.regenerate import RegenerateConfig, regenerate
@@ -82,7 +81,7 @@ def main() -> None:
               f"{args.max_new_tokens} tokens, trees {args.tree}: tau {stats['tau']:.3f}, alpha by depth "
               f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training",
               flush=True)
-    print(f"RESULT tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
+    print_result(f"tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
           f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit} self_limit={self_limit}")
 
 

@@ -17,14 +17,15 @@ prompts (`--repeats 1`): 80 prompts x 256 tokens already average ~20k tokens per
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+
+from harness import parser, print_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/hass-cpu-full/export-native"))
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -60,7 +61,7 @@ def main() -> None:
     for label, r in figures.items():
         suffix = "" if label == "greedy" else f"_{label}"
         parts += [f"tau{suffix}={r['acceptance']['tau']:.3f}", f"speedup{suffix}={r['speed']['speedup']:.3f}"]
-    print("RESULT " + " ".join(parts))
+    print_result(" ".join(parts))
 
 
 if __name__ == "__main__":

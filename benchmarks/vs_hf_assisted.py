@@ -17,18 +17,19 @@ recipes/smollm2-135m/standalone-cpu.yaml` writes. Ends with `RESULT identical=..
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from harness import parser, print_result
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/standalone-cpu/export-native"))
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -111,7 +112,7 @@ def main() -> None:
     head = f"{len(head_ids)}-token head" if head_ids is not None else "full head (the export has no token counts)"
     print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, greedy fp32, our default policy "
           f"{default_policy()}, drafter {head}; outputs identical: {identical}")
-    print(f"RESULT identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
+    print_result(f"identical={str(identical).lower()} ratio={ratio:.3f} ratio_static={ratio_static:.3f} "
           f"ratio_same_rule={ratio_same_rule:.3f} ratio_full_head={med['ours_full_head'] / med['hf_default']:.3f} "
           f"ours_tok_s={med['ours_default']:.1f} hf_tok_s={med['hf_default']:.1f} ar_tok_s={med['autoregressive']:.1f}")
 

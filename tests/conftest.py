@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -126,3 +127,88 @@ def killed_after_writes(n: int) -> str:
         from draftsmith.cli import main
         main(sys.argv[1:])
     """)
+
+
+@pytest.fixture(scope="session")
+def tiny_features(tmp_path_factory):
+    """A tiny target, 48 chats and their features (layers 0-2): built once for the whole suite."""
+    from draftsmith.jobs.extract import ExtractConfig, extract
+
+    root = tmp_path_factory.mktemp("fit")
+    target = save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(48)))
+    extract(ExtractConfig(target=str(target), data=str(root / "chats.json"), out=str(root / "features"),
+                          layer_ids=[0, 1, 2], max_length=256, batch_tokens=512, dtype="float32",
+                          feature_dtype="float32", shard_size=16))
+    return root
+
+
+def recipe(root, tmp_path, callbacks=None, **model):
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
+                    "check_val_every_n_epoch": None, "enable_progress_bar": False, "log_every_n_steps": 1,
+                    "default_root_dir": str(tmp_path / "run"),
+                    "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(tmp_path / "run"), "name": "logs", "version": 0}},
+                    "callbacks": callbacks or [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                                "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"),
+                                                              "save_last": True, "every_n_train_steps": 1,
+                                                              "save_top_k": -1}}]},
+        "model": {"class_path": "draftsmith.train.drafter.DrafterModule",
+                  "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
+                                "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
+        "data": {"class_path": "draftsmith.data.modules.FeatureDataModule",
+                 "init_args": {"features_dir": str(root / "features"), "max_tokens": 300, "val_fraction": 0.2}},
+    }
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def train(root, tmp_path, **model):
+    result = run_cli("fit", "--config", str(recipe(root, tmp_path, **model)), "--trainer.max_steps", "2",
+                     "--trainer.val_check_interval", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "run" / "ckpt" / "last.ckpt"
+
+
+@pytest.fixture(scope="session")
+def eagle3_ckpt(tiny_features, tmp_path_factory):
+    return train(tiny_features, tmp_path_factory.mktemp("e3"), kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
+
+
+@pytest.fixture(scope="session")
+def eagle_ckpt(tiny_features, tmp_path_factory):
+    return train(tiny_features, tmp_path_factory.mktemp("e1"))
+
+
+def forget_choices(monkeypatch):
+    """As in a fresh process started without an inherited choice: nothing measured, nothing in the environment."""
+    from draftsmith.models import precision
+    from draftsmith.models.precision import env_name
+
+    precision._choose.cache_clear()
+    for device in ("cpu", "cuda"):
+        for work in ("bulk", "decode"):
+            monkeypatch.delenv(env_name(device, work), raising=False)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No earlier choice in this process or its environment; `set_speed(x)` fakes bf16's measured speed."""
+    from draftsmith.models import precision
+
+    forget_choices(monkeypatch)
+    calls = []
+
+    def set_speed(speed):
+        """bf16's speed for every kind of work, or a dict by kind."""
+        def fake(work):
+            calls.append(work)
+            return speed[work] if isinstance(speed, dict) else speed
+        monkeypatch.setattr(precision, "bf16_speed", fake)
+
+    yield set_speed, calls
+    forget_choices(monkeypatch)

@@ -15,25 +15,7 @@ from draftsmith.export.eagle import check_eagle
 from draftsmith.models.loading import TOKEN_COUNTS, load_native
 from draftsmith.runtime.loading import load_proposer
 from draftsmith.models.target import load_target
-from tests.conftest import run_cli
-from tests.train.test_fit import recipe, tiny_features  # noqa: F401  (fixture)
-
-
-def train(root, tmp_path, **model):
-    result = run_cli("fit", "--config", str(recipe(root, tmp_path, **model)), "--trainer.max_steps", "2",
-                     "--trainer.val_check_interval", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return tmp_path / "run" / "ckpt" / "last.ckpt"
-
-
-@pytest.fixture(scope="module")
-def eagle3_ckpt(tiny_features, tmp_path_factory):
-    return train(tiny_features, tmp_path_factory.mktemp("e3"), kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
-
-
-@pytest.fixture(scope="module")
-def eagle_ckpt(tiny_features, tmp_path_factory):
-    return train(tiny_features, tmp_path_factory.mktemp("e1"))
+from tests.conftest import recipe, run_cli
 
 
 SIZES = dict(H=32, Ht=32, I=64, V=110, Vd=40, k=3, nh=4, nkv=2, hd=8)

@@ -16,9 +16,6 @@ from draftsmith.export import export
 from draftsmith.data.labels import read_labels
 from draftsmith.jobs.labels import LabelsConfig, labels
 from tests.conftest import killed_after_writes, run_cli, sample_chats
-from tests.test_precision import fresh  # noqa: F401  (fixture)
-from tests.test_export import eagle3_ckpt, eagle_ckpt, train  # noqa: F401  (fixtures)
-from tests.train.test_fit import tiny_features  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import json
 import yaml
 
 from tests.conftest import run_cli, sample_chats, save_tiny_target
-from tests.train.test_fit import recipe
+from tests.conftest import recipe
 
 
 def validation_ids(cfg: dict) -> list[str]:

@@ -7,31 +7,7 @@ import pytest
 
 from draftsmith.models import precision
 from draftsmith.models.precision import env_name, resolve_dtype, resolve_precision
-
-
-def forget_choices(monkeypatch):
-    """As in a fresh process started without an inherited choice: nothing measured, nothing in the environment."""
-    precision._choose.cache_clear()
-    for device in ("cpu", "cuda"):
-        for work in ("bulk", "decode"):
-            monkeypatch.delenv(env_name(device, work), raising=False)
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """No earlier choice in this process or its environment; `set_speed(x)` fakes bf16's measured speed."""
-    forget_choices(monkeypatch)
-    calls = []
-
-    def set_speed(speed):
-        """bf16's speed for every kind of work, or a dict by kind."""
-        def fake(work):
-            calls.append(work)
-            return speed[work] if isinstance(speed, dict) else speed
-        monkeypatch.setattr(precision, "bf16_speed", fake)
-
-    yield set_speed, calls
-    forget_choices(monkeypatch)
+from tests.conftest import forget_choices
 
 
 @pytest.mark.parametrize("speed, chosen", [(0.5, "float32"), (0.8, "float32"), (0.9, "bfloat16"), (1.0, "bfloat16"),

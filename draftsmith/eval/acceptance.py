@@ -47,7 +47,7 @@ def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
         "drafted": drafted,
         "drafted_rejected": drafted - accepted,
         "drafter_forwards": sum(r.drafter_forwards for r in rounds),
-        "mean_tree_size": statistics.fmean(r.tree_size for r in rounds),
+        "mean_tree_size": statistics.fmean(r.drafted for r in rounds),
     }
 
 

@@ -193,11 +193,6 @@ class Target:
                                output_hidden_states=captured.fallback)
         return out.last_hidden_state, captured.collect(out)
 
-    @torch.no_grad()
-    def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """The target's own head on a final feature: (..., H) → (..., V)."""
-        return self.lm_head(feature)
-
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A cheap, dtype-independent hash of a strided sample of every parameter."""

@@ -37,15 +37,10 @@ class RoundStats:
     drafted: int
     accepted: int
     committed: int
-    depth: int  # deepest drafted position (= drafted for a chain)
+    depth: int  # deepest drafted position (= drafted for a chain); drafted: a tree's nodes
     target_forwards: int
     drafter_forwards: int
     seconds: float
-
-    @property
-    def tree_size(self) -> int:
-        """Nodes verified this round: the tree's size, or the chain's length."""
-        return self.drafted
 
 
 @dataclass

@@ -36,10 +36,6 @@ from draftsmith.runtime.sampling import sample
 from draftsmith.runtime.verify import first_true
 
 
-def exact(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    return p
-
-
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(-1)
 
@@ -114,11 +110,6 @@ def token_defer(rule: str, q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: floa
     if rule == "v3":
         return (p_raw < (1 - alpha) * top).float()
     raise ValueError(f"unknown token-specific rule {rule!r}; choose v1, v2 or v3")
-
-
-def token_keep(q_raw: torch.Tensor, p_raw: torch.Tensor, alpha: float) -> torch.Tensor:
-    """V1's complement: keep the drafter's v when q(v) ≥ max p − α, (..., V) in {0, 1}."""
-    return 1 - token_defer("v1", q_raw, p_raw, alpha)
 
 
 def token_specific(q: torch.Tensor, p: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -81,13 +81,6 @@ class DraftTree:
             kids[parent + 1].append(i)
         return kids
 
-    def path(self, node: int) -> list[int]:
-        """Node indices from the root's child down to `node`."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = int(self.parents[node])
-        return out[::-1]
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
@@ -126,16 +119,6 @@ def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None 
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int, device: torch.device) -> DraftTree:
-    """Rerank drafted candidates (token, parent candidate index or -1, score, depth) and keep the
-    `total_tokens` best, as a breadth-first DraftTree (`select_tree`)."""
-    tokens, parents, scores, depth = zip(*candidates) if candidates else ((), (), (), ())
-    long = dict(dtype=torch.long, device=device)
-    return select_tree(torch.tensor(tokens, **long), torch.tensor(parents, **long),
-                       torch.tensor(scores, dtype=torch.float64, device=device), torch.tensor(depth, **long),
-                       total_tokens)
-
-
 def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor,
                 total_tokens: int) -> DraftTree:
     """The `total_tokens` best of N candidates (tokens, parent candidate index or -1, score, depth;
@@ -160,7 +143,7 @@ def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tenso
 
 def prune(tree: DraftTree, n: int) -> DraftTree:
     """The tree's `n` best drafted nodes (by score, ties to the shallower, closed under ancestors),
-    breadth-first as `build_tree` orders them; the tree itself when it has no more than n."""
+    breadth-first as `select_tree` orders them; the tree itself when it has no more than n."""
     if n >= len(tree):
         return tree
     return select_tree(tree.tokens, tree.parents, tree.scores, tree.depth, n)

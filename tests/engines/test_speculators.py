@@ -13,8 +13,6 @@ speculators = pytest.importorskip("speculators")
 
 from draftsmith.export import export  # noqa: E402
 from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint  # noqa: E402
-from tests.test_export import eagle3_ckpt  # noqa: E402, F401  (fixture)
-from tests.train.test_fit import tiny_features  # noqa: E402, F401  (fixture)
 
 
 def package_drafter(directory: Path):

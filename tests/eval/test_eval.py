@@ -6,8 +6,6 @@ from draftsmith.eval.acceptance import acceptance_stats
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.runtime.generate import GenerationResult, RoundStats
 from tests.conftest import run_cli
-from tests.test_export import eagle3_ckpt, train  # noqa: F401  (fixtures)
-from tests.train.test_fit import tiny_features  # noqa: F401
 
 
 def test_prompt_sets():

@@ -11,8 +11,6 @@ from draftsmith.eval import quality
 from draftsmith.runtime import targets
 from draftsmith.runtime.sampling import SamplingConfig
 from tests.conftest import run_cli
-from tests.test_export import eagle3_ckpt, train  # noqa: F401  (fixtures)
-from tests.train.test_fit import tiny_features  # noqa: F401
 
 
 def test_teacher_forced_drafts_are_the_runtimes_own():

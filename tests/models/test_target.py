@@ -24,7 +24,7 @@ def test_hidden_state_parity_with_output_hidden_states(tiny_target_dir):
         torch.testing.assert_close(extra[i], ref.hidden_states[i], rtol=0, atol=0)
     # the final feature is the post-norm last hidden state, and the head applied to it gives the logits
     torch.testing.assert_close(final, ref.hidden_states[-1], rtol=0, atol=0)
-    torch.testing.assert_close(target.logits(final), ref.logits)
+    torch.testing.assert_close(target.lm_head(final), ref.logits)
     assert not torch.allclose(extra[2], extra[1])
     hooks = sum(len(m._forward_hooks) for m in target.model.modules())
     _, hooked = target.features(ids, mask, layer_ids=[1, 0])  # below N: captured by hooks, not output_hidden_states
@@ -68,7 +68,7 @@ def test_lora_adapter_is_merged_on_load(tiny_target_dir, tmp_path):
         merged = load_target(str(tiny_target_dir), adapter=str(tmp_path / "adapter"))
     plain = load_target(str(tiny_target_dir))
     final, _ = merged.features(ids)
-    torch.testing.assert_close(merged.logits(final), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged.lm_head(final), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(plain.logits(plain.features(ids)[0]), expected, atol=1e-3)
     assert merged.identity.weights_fingerprint != plain.identity.weights_fingerprint
     with pytest.raises(DraftsmithError, match="no adapter_config.json"):

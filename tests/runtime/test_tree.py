@@ -14,7 +14,7 @@ from draftsmith.runtime.policies import ClassifierStop, Static
 from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.standalone import ModelProposer
 from draftsmith.runtime.sampling import SamplingConfig
-from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, build_tree, graft, lookup_continuation,
+from draftsmith.runtime.tree import (DraftTree, TreeShape, ancestor_matrix, graft, lookup_continuation, select_tree,
                                      tree_attention_mask, verify_tree)
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
@@ -30,6 +30,25 @@ from tests.runtime.test_generate import assert_follows_law, exact_law, proposers
 #    5
 PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2])
 
+
+
+def build_tree(candidates: list[tuple[int, int, float, int]], total_tokens: int, device: torch.device) -> DraftTree:
+    """A hand-made tree: rerank candidates (token, parent candidate index or -1, score, depth) and keep the
+    `total_tokens` best, breadth-first, as the runtime's `select_tree` does."""
+    tokens, parents, scores, depth = zip(*candidates) if candidates else ((), (), (), ())
+    long = dict(dtype=torch.long, device=device)
+    return select_tree(torch.tensor(tokens, **long), torch.tensor(parents, **long),
+                       torch.tensor(scores, dtype=torch.float64, device=device), torch.tensor(depth, **long),
+                       total_tokens)
+
+
+def node_path(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root's child down to `node`."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = int(tree.parents[node])
+    return out[::-1]
 
 def hand_tree(tokens):
     depth = torch.tensor([1, 1, 2, 2, 2, 3])
@@ -64,9 +83,9 @@ def test_every_root_to_leaf_path_matches_the_chain_computation(target):
     runner.forward(prompt[:-1])
     logits, _, _ = runner.forward([prompt[-1]] + tree.tokens.tolist(), tree)
     for leaf in (3, 4, 5):
-        path = tree.path(leaf)
-        chain = target(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, len(prompt) - 1:]
-        torch.testing.assert_close(logits[[0] + [1 + i for i in path]], chain, atol=1e-5, rtol=1e-5)
+        nodes = node_path(tree, leaf)
+        chain = target(torch.tensor([prompt + tree.tokens[nodes].tolist()])).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(logits[[0] + [1 + i for i in nodes]], chain, atol=1e-5, rtol=1e-5)
 
 
 def test_tree_verification_attends_grouped_queries_without_repeating_the_cache(target, monkeypatch):
@@ -204,7 +223,7 @@ def test_greedy_tree_output_is_the_targets_own(target, kind, shape):
     for prompt, expected in greedy_cases(target):
         out = generate(runner, proposer, prompt, 24, Static(0), tree=shape)
         assert out.tokens == expected
-        assert all(r.tree_size <= shape.total_tokens + shape.lookup and r.depth <= max(shape.depth, shape.lookup)
+        assert all(r.drafted <= shape.total_tokens + shape.lookup and r.depth <= max(shape.depth, shape.lookup)
                    for r in out.rounds)
         assert all(r.drafter_forwards <= shape.depth for r in out.rounds)  # one per level + the observe
 
@@ -233,7 +252,7 @@ def test_tree_drafts_from_a_perfect_drafter_accept_a_full_depth(target):
 
     perfect = Perfect(feature_proposers(target)["eagle"].drafter, V)
     out = generate(TargetRunner(target), perfect, prompt, 1 + 5 * 5, Static(0), tree=TreeShape(4, 2, 8))
-    assert [r.accepted for r in out.rounds] == [4] * 5 and all(r.tree_size == 8 for r in out.rounds)
+    assert [r.accepted for r in out.rounds] == [4] * 5 and all(r.drafted == 8 for r in out.rounds)
 
 
 def test_sibling_wise_sampling_is_lossless_at_one_node():
@@ -336,7 +355,7 @@ def test_graft_shares_matching_nodes_and_appends_the_rest():
     grafted = graft(tree, [42, 9, 5, 6])
     assert grafted.tokens.tolist() == [42, 7, 9, 11, 30, 2, 5, 6]
     assert grafted.parents.tolist() == PARENTS.tolist() + [2, 6] and grafted.depth.tolist()[6:] == [3, 4]
-    assert grafted.path(7) == [0, 2, 6, 7]
+    assert node_path(grafted, 7) == [0, 2, 6, 7]
     ancestor_matrix(grafted.parents)  # parents before children
     assert graft(tree, [42, 9, 2]) is tree and graft(tree, []) is tree
     fresh = graft(tree, [8, 8])

@@ -10,7 +10,8 @@ from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.cost import TreeCost, TreeCostMeter
 from draftsmith.runtime.steps import TreeLevel
-from draftsmith.runtime.tree import TreeShape, build_tree, prune
+from draftsmith.runtime.tree import TreeShape, prune
+from tests.runtime.test_tree import build_tree
 from tests.runtime.conftest import greedy_cases
 from tests.runtime.test_tree import feature_proposers
 
@@ -98,6 +99,6 @@ def test_greedy_output_with_cost_sized_trees_is_the_targets_own(target, shape):
     for prompt, expected in greedy_cases(target):
         out = generate(runner, proposer, prompt, 24, policy, tree=shape)
         assert out.tokens == expected
-        assert all(1 <= r.tree_size <= shape.total_tokens + shape.lookup for r in out.rounds[:-1])
+        assert all(1 <= r.drafted <= shape.total_tokens + shape.lookup for r in out.rounds[:-1])
     meter = policy.meter
     assert set(meter.verify) >= {0, 1, 8} and meter.levels and meter.predictions  # calibrated and measured

@@ -176,7 +176,7 @@ def test_token_specific_target_matches_a_hand_computed_pi():
     """Token-level Diff, α = 0.1: keep x where q(x) ≥ max p − α = 0.4; π(x) = q(x)·keep(x) + p(x)·Σ deferred q."""
     q = torch.tensor([0.45, 0.35, 0.20])
     p = torch.tensor([0.50, 0.10, 0.40])
-    keep = targets.token_keep(q, p, 0.1)
+    keep = 1 - targets.token_defer("v1", q, p, 0.1)
     assert keep.tolist() == [1.0, 0.0, 0.0]
     deferred = 0.35 + 0.20
     expected = torch.tensor([0.45 + 0.50 * deferred, 0.10 * deferred, 0.40 * deferred])
@@ -195,7 +195,7 @@ def test_mixture_samples_follow_pi_and_token_specific_sums_to_one():
         n, t = verify_chain(x, q[None], torch.stack([pi, pi]), g)
         counts[int(x) if n else t] += 1
     assert chi2_p_value(counts, pi) > ALPHA
-    keep = targets.token_keep(q, p, 0.1)
+    keep = 1 - targets.token_defer("v1", q, p, 0.1)
     assert torch.allclose(targets.token_specific(q, p, keep).sum(-1), torch.tensor(1.0))
 
 

@@ -1,7 +1,6 @@
 """Training through the real CLI on tiny features: logging, frozen target, resume, DDP, bad input."""
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -13,45 +12,9 @@ import torch
 import yaml
 
 from draftsmith import DraftsmithError
-from draftsmith.jobs.extract import ExtractConfig, extract
-from tests.conftest import run_cli, sample_chats, save_tiny_target
+from tests.conftest import recipe, run_cli, save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_features(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fit")
-    target = save_tiny_target(root / "target")
-    (root / "chats.json").write_text(json.dumps(sample_chats(48)))
-    extract(ExtractConfig(target=str(target), data=str(root / "chats.json"), out=str(root / "features"),
-                          layer_ids=[0, 1, 2], max_length=256, batch_tokens=512, dtype="float32",
-                          feature_dtype="float32", shard_size=16))
-    return root
-
-
-def recipe(root, tmp_path, callbacks=None, **model):
-    cfg = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
-                    "check_val_every_n_epoch": None, "enable_progress_bar": False, "log_every_n_steps": 1,
-                    "default_root_dir": str(tmp_path / "run"),
-                    "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
-                               "init_args": {"save_dir": str(tmp_path / "run"), "name": "logs", "version": 0}},
-                    "callbacks": callbacks or [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                                                "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"),
-                                                              "save_last": True, "every_n_train_steps": 1,
-                                                              "save_top_k": -1}}]},
-        "model": {"class_path": "draftsmith.train.drafter.DrafterModule",
-                  "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
-                                "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
-        "data": {"class_path": "draftsmith.data.modules.FeatureDataModule",
-                 "init_args": {"features_dir": str(root / "features"), "max_tokens": 300, "val_fraction": 0.2}},
-    }
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def trained_state(ckpt):

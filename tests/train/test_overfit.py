@@ -11,7 +11,6 @@ import torch
 from draftsmith.data.modules import FeatureDataModule
 from draftsmith.train.distill import DistillModule
 from draftsmith.train.drafter import DrafterModule
-from tests.train.test_fit import tiny_features  # noqa: F401  (fixture)
 
 STEPS = 60
 

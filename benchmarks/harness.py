@@ -1,0 +1,82 @@
+"""What every benchmark shares: its command line, arms measured side by side, medians, the RESULT line.
+
+Each script in this folder measures its arms in one process, alternating them so that a busy neighbour
+or a warming CPU weighs on every arm alike, and ends with one line `RESULT key=value ...` that scripts
+read. Run one as `python benchmarks/NAME.py` (this folder is then on the import path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line, its module docstring as the help."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def synchronize() -> None:
+    """Wait for a GPU's queued work, so that a timer measures it (nothing on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
+    """The median of `repeats` timed calls of fn after `warmup` untimed ones, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def alternate(arms: dict[str, Callable[[], T]], passes: int) -> dict[str, list[T]]:
+    """Each arm's results over `passes` passes, the arms run in turn within a pass and the order rotated
+    from pass to pass (no arm always runs first, on a cold or a warm machine)."""
+    names, out = list(arms), {name: [] for name in arms}
+    for p in range(passes):
+        for name in names[p % len(names):] + names[: p % len(names)]:
+            out[name].append(arms[name]())
+    return out
+
+
+def medians(results: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def machine() -> str:
+    """The processor and torch build a figure came from (benchmarks.md names them with every row)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}{gpu}, torch {torch.__version__}"
+
+
+def result_line(keys: dict[str, Any] | str) -> str:
+    """`RESULT key=value ...` from a dict (values as the caller formatted them) or a ready "k=v ..." string."""
+    return "RESULT " + (keys if isinstance(keys, str) else " ".join(f"{k}={v}" for k, v in keys.items()))
+
+
+def print_result(keys: dict[str, Any] | str) -> None:
+    """The machine the figures came from, then the RESULT line."""
+    print(f"machine: {machine()}")
+    print(result_line(keys))
