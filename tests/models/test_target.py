@@ -69,7 +69,7 @@ def test_lora_adapter_is_merged_on_load(tiny_target_dir, tmp_path):
     plain = load_target(str(tiny_target_dir))
     final, _ = merged.features(ids)
     torch.testing.assert_close(merged.lm_head(final), expected, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(plain.logits(plain.features(ids)[0]), expected, atol=1e-3)
+    assert not torch.allclose(plain.lm_head(plain.features(ids)[0]), expected, atol=1e-3)
     assert merged.identity.weights_fingerprint != plain.identity.weights_fingerprint
     with pytest.raises(DraftsmithError, match="no adapter_config.json"):
         load_target(str(tiny_target_dir), adapter=str(tmp_path))
