@@ -235,10 +235,12 @@ def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_p
     torch.testing.assert_close(aux[0], item["aux"], atol=1e-5, rtol=1e-5)
 
 
-def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_path):
+def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_path, monkeypatch):
     """No "args parameter is intended to run from within Python" warning, no litlogger advert."""
     import logging
     import warnings
+
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     from draftsmith.train.cli import lightning_cli
 
@@ -246,6 +248,9 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
     rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    # this process speaks as rank 0 at INFO, whatever an earlier test in it left behind
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+    monkeypatch.setattr(rank_zero, "level", logging.INFO)
     rank_zero.addHandler(handler)
     try:
         with warnings.catch_warnings(record=True) as caught:
