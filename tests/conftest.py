@@ -18,6 +18,9 @@ import torch
 import yaml
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models gain nothing from a second intra-op thread, and `make test` runs one pytest worker per core
+# (pytest-xdist): one thread each keeps the workers from contending for the cores.
+torch.set_num_threads(1)
 
 CHATML = (
     "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
@@ -103,10 +106,33 @@ def chats_file(tmp_path) -> Path:
     return path
 
 
+# Commands a test may run inside its own process: they start no processes of their own and leave no
+# global state behind (`fit`, `run` and `extract` train or spawn ranks, and run in a fresh interpreter).
+IN_PROCESS = ("eval", "tune", "export", "labels", "data", "regenerate")
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run `draftsmith ARGS` as a user would, in a fresh interpreter (in `cwd`, default this one's)."""
+    """Run `draftsmith ARGS` as a user would: `draftsmith.cli.main` with its output and exit status captured,
+    in this process for the commands that allow it, else in a fresh interpreter (in `cwd`, default this one's)."""
+    if args and args[0] in IN_PROCESS and env is None and cwd is None:
+        return _run_here(list(args))
     return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def _run_here(args: list[str]) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+
+    from draftsmith.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(args)
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return subprocess.CompletedProcess(["draftsmith", *args], code, out.getvalue(), err.getvalue())
 
 
 def killed_after_writes(n: int) -> str:

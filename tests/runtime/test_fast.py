@@ -236,6 +236,7 @@ def decodes_like_eager(target, compile, seeds: int) -> TargetRunner:
     return compiled
 
 
+@pytest.mark.compile  # cold inductor compiles: `make test-compile`, which CI runs too
 def test_a_frozen_compile_decodes_the_targets_own_greedy_output(target):
     """compile="frozen": the torch.compile'd decoder (inductor, frozen weights) decodes as the eager runner does."""
     from torch._dynamo.utils import counters
@@ -245,6 +246,7 @@ def test_a_frozen_compile_decodes_the_targets_own_greedy_output(target):
     assert counters["stats"]["unique_graphs"] > graphs  # the decoder did go through inductor
 
 
+@pytest.mark.compile  # cold inductor compiles: `make test-compile`, which CI runs too
 def test_a_cached_compile_decodes_the_targets_own_greedy_output_and_is_stored(target, tmp_path, monkeypatch):
     """compile="cached": the decoder's packed linears traced as draftsmith's operator, the weights inputs of
     the graph. It decodes as the eager runner does, and inductor's graph cache stores every compiled graph
@@ -266,6 +268,7 @@ def test_compile_modes_are_checked(target):
         TargetRunner(target, compile="fast")
 
 
+@pytest.mark.compile  # cold inductor compiles: `make test-compile`, which CI runs too
 def test_a_compiled_tree_forward_is_one_graph(target):
     """A tree's verification (several rows under a mask, the grouped-query case no fold takes) compiles
     without a graph break, so it runs as one compiled graph rather than a graph per layer (transformers

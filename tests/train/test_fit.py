@@ -241,6 +241,7 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     import warnings
 
     from lightning_fabric.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 
     from draftsmith.train.cli import lightning_cli
 
@@ -249,8 +250,10 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     handler.emit = records.append
     rank_zero = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     # this process speaks as rank 0 at INFO, whatever an earlier test in it left behind
-    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+    for only in (rank_zero_only, utilities_rank_zero_only):
+        monkeypatch.setattr(only, "rank", 0, raising=False)
     monkeypatch.setattr(rank_zero, "level", logging.INFO)
+    monkeypatch.setattr(rank_zero, "disabled", False)
     rank_zero.addHandler(handler)
     try:
         with warnings.catch_warnings(record=True) as caught:
