@@ -71,10 +71,30 @@ def test_recipes_accept_auto(tmp_path, fresh):
     assert cli.trainer.precision == "32-true"
 
 
-def test_bf16_speed_is_measured_for_both_kinds_of_work():
-    for work in ("bulk", "decode"):
-        speed = precision.bf16_speed(work)
-        assert math.isfinite(speed) and speed > 0
+def test_bf16_speed_is_float32s_time_over_bf16s_on_each_kind_of_work(monkeypatch):
+    """bulk times one 512-row product, decode a 1-row and an 8-row pass through every weight; the speed is
+    float32's time over bf16's (here made 3 and 2 units), each measured on the work of its own type."""
+    import torch
+
+    seconds = precision._time(lambda: torch.ones(4) @ torch.ones(4))  # the real timer: a positive time
+    assert math.isfinite(seconds) and seconds > 0
+    seen = []
+
+    def fake_time(run, against=None, repeats=3):
+        out = run()
+        outs = out if isinstance(out, list) else [out]
+        dtype = outs[0].dtype
+        assert all(o.dtype == dtype for o in outs)
+        seen.append((dtype, sorted({o.shape[0] for o in outs}), len(outs)))
+        return 3.0 if dtype == torch.float32 else 2.0
+
+    monkeypatch.setattr(precision, "_time", fake_time)
+    assert precision.bf16_speed("bulk") == 1.5
+    assert seen == [(torch.float32, [precision.BULK_ROWS], 1), (torch.bfloat16, [precision.BULK_ROWS], 1)]
+    seen.clear()
+    assert precision.bf16_speed("decode") == 1.5
+    rows, passes = sorted(precision.DECODE_ROWS), len(precision.DECODE_ROWS) * precision.DECODE_WEIGHTS
+    assert seen == [(torch.float32, rows, passes), (torch.bfloat16, rows, passes)]
 
 
 def test_a_resumed_extraction_keeps_its_type(fresh, monkeypatch, tiny_target_dir, chats_file, tmp_path):
