@@ -41,3 +41,22 @@ class ChatOptions:
     data: str
     limit: int | None = None
     max_length: int = 2048
+
+
+@dataclass(kw_only=True)
+class SamplingOptions:
+    """How the target's tokens are drawn, and how many.
+
+    Args:
+        max_new_tokens: tokens generated per prompt (an answer longer than this is cut).
+        temperature: 0 for greedy decoding; > 0 samples, with top_k / top_p.
+        top_k: top-k filtering when sampling (the target and a drafter alike).
+        top_p: nucleus filtering when sampling (the target and a drafter alike).
+        seed: sampling seed.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0

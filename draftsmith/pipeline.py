@@ -19,13 +19,11 @@ class RunConfig(DecodeOptions):
         recipe: the recipe YAML (as for `draftsmith fit --config`).
         out: where to write the run, the export and the evaluation (default: the recipe's default_root_dir).
         limit: prompts to evaluate on (spread over categories).
-        max_new_tokens: tokens generated per prompt.
     """
 
     recipe: str
     out: str | None = None
     limit: int | None = 10
-    max_new_tokens: int = 128
 
 
 def _newest(root: Path, pattern: str) -> Path | None:

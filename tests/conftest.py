@@ -111,11 +111,16 @@ def chats_file(tmp_path) -> Path:
 IN_PROCESS = ("eval", "tune", "export", "labels", "data", "regenerate")
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: str | None = None,
+            here: bool = False) -> subprocess.CompletedProcess:
     """Run `draftsmith ARGS` as a user would: `draftsmith.cli.main` with its output and exit status captured,
-    in this process for the commands that allow it, else in a fresh interpreter (in `cwd`, default this one's)."""
-    if args and args[0] in IN_PROCESS and env is None and cwd is None:
-        return _run_here(list(args))
+    in this process for the commands that allow it (and for `here`: a fit that stops before training or
+    trains a step or two), else in a fresh interpreter (in `cwd`, default this one's)."""
+    if here or (args and args[0] in IN_PROCESS and env is None and cwd is None):
+        import contextlib
+
+        with contextlib.chdir(cwd or "."):
+            return _run_here(list(args))
     return subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 

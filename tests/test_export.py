@@ -199,15 +199,18 @@ engine.save_checkpoint(sys.argv[2], client_state=client, tag="checkpoint")
 
 def test_a_deepspeed_zero_directory_is_converted_and_exported(eagle_ckpt, tmp_path):
     """ZeRO writes a directory of shards; export consolidates it with DeepSpeed's own converter."""
-    import random
+    import socket
     import subprocess
     import sys
 
     pytest.importorskip("deepspeed")
+    with socket.socket() as free:  # a port nothing listens on: gloo's store must not meet another test's
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     zero = tmp_path / "run" / "best-step=2.ckpt"
     script = tmp_path / "zero.py"
     script.write_text(DEEPSPEED_ZERO)
-    made = subprocess.run([sys.executable, str(script), str(eagle_ckpt), str(zero), str(random.randint(20000, 40000))],
+    made = subprocess.run([sys.executable, str(script), str(eagle_ckpt), str(zero), str(port)],
                           capture_output=True, text=True, timeout=600)
     assert made.returncode == 0 and (zero / "latest").is_file(), made.stderr[-3000:]
     result = export(str(zero), "eagle", str(tmp_path / "e"))

@@ -81,9 +81,9 @@ def test_sigkill_mid_extraction_then_rerun_matches_uninterrupted(tiny_target_dir
     with pytest.raises(DraftsmithError, match="extraction has not finished: rerun"):
         read_manifest(tmp_path / "a")
 
-    resumed = run_cli(*args, "--out", str(tmp_path / "a"))
+    resumed = run_cli(*args, "--out", str(tmp_path / "a"), here=True)
     assert resumed.returncode == 0, resumed.stderr
-    whole = run_cli(*args, "--out", str(tmp_path / "b"))
+    whole = run_cli(*args, "--out", str(tmp_path / "b"), here=True)
     assert whole.returncode == 0, whole.stderr
     a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
     assert (a["num_records"], a["num_tokens"]) == (b["num_records"], b["num_tokens"]) == (40, b["num_tokens"])
@@ -97,7 +97,7 @@ def test_two_processes_extract_disjoint_parts_of_the_same_output(tiny_target_dir
             "--shard_size", "8", "--batch_tokens", "512", "--dtype", "float32"]
     two = run_cli(*args, "--out", str(tmp_path / "two"), "--devices", "2")
     assert two.returncode == 0, two.stderr
-    one = run_cli(*args, "--out", str(tmp_path / "one"))
+    one = run_cli(*args, "--out", str(tmp_path / "one"), here=True)
     assert one.returncode == 0, one.stderr
     m2, m1 = read_manifest(tmp_path / "two"), read_manifest(tmp_path / "one")
     assert (m2["num_records"], m2["num_tokens"]) == (m1["num_records"], m1["num_tokens"])

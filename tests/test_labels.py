@@ -110,7 +110,7 @@ def heads(tiny_features, labelled, tmp_path_factory):
     """Both heads trained briefly on the labels (run directories)."""
     root = tmp_path_factory.mktemp("heads")
     for kind in ("specdec", "disco"):
-        result = run_cli("fit", "--config", str(head_recipe(tiny_features, labelled, root, kind)))
+        result = run_cli("fit", "--config", str(head_recipe(tiny_features, labelled, root, kind)), here=True)
         assert result.returncode == 0, result.stderr[-3000:]
     return root
 

@@ -8,20 +8,18 @@ from typing import Any, Callable, Literal
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
+from draftsmith.options import SamplingOptions
 
 
 @dataclass(kw_only=True)
-class DecodeOptions:
-    """How a drafter is evaluated: shared by `draftsmith eval` and `draftsmith run`.
+class DecodeOptions(SamplingOptions):
+    """How a drafter is evaluated (the sampling options' and these): shared by `draftsmith eval` and
+    `draftsmith run`.
 
     Args:
         prompts: mtbench, humaneval, or heldout (the validation split of the training chats).
         limit: number of prompts (spread over categories).
         turns: first, or both (MT-bench's second turn after the target's own first answer).
-        max_new_tokens: tokens generated per prompt.
-        temperature: 0 for greedy; otherwise sampling with top_k / top_p.
-        top_k: top-k filtering (applied to target and drafter alike).
-        top_p: nucleus filtering (applied to target and drafter alike).
         policy: draft length: cost (draft a token only while it is expected to pay for its measured
             cost), static, heuristic, confidence, specdec or disco (the stop heads the drafter's export
             carries), or oracle (a greedy bound: drafts exactly the tokens the target will accept).
@@ -55,7 +53,6 @@ class DecodeOptions:
             of the two for decoding on this device, measured; results.json records which ran).
         device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
-        seed: sampling seed.
         mode: exact (lossless), lossy (lossy speculative decoding), cascade (speculative cascades: the
             draft's law mixed with the target's where a rule defers), token (token-specific cascades) or
             bild (Big Little Decoder); every mode but exact trades quality for speed and runs on chain drafts.
@@ -70,10 +67,6 @@ class DecodeOptions:
     prompts: str = "mtbench"
     limit: int | None = None
     turns: str = "first"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
     policy: str = "cost"
     k: int = 4
     threshold: float = 0.4
@@ -86,7 +79,6 @@ class DecodeOptions:
     dtype: str = "auto"
     device: str = "cpu"
     repeats: int = 3
-    seed: int = 0
     mode: str = "exact"
     rule: str | None = None
     alpha: float = 0.0

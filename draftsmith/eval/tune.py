@@ -20,7 +20,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import HEAD_KINDS
-from draftsmith.options import TargetOptions
+from draftsmith.options import SamplingOptions, TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
 
 # specdec reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
@@ -29,8 +29,8 @@ ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptan
 
 
 @dataclass(kw_only=True)
-class TuneConfig(TargetOptions):
-    """Options of `draftsmith tune` (the target's and these).
+class TuneConfig(TargetOptions, SamplingOptions):
+    """Options of `draftsmith tune` (the target's, the sampling options' and these).
 
     Args:
         drafter: the drafter's native export; specdec and disco read (and get) their stop head there.
@@ -48,11 +48,10 @@ class TuneConfig(TargetOptions):
             `eval --val_fraction`).
         data_limit: the number of conversations the drafter's training split was drawn from.
         limit: held-out prompts decoded per setting.
-        max_new_tokens: tokens generated per prompt.
-        temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`).
+        temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`),
+            with top_k / top_p.
         head_vocab: a standalone drafter's ranked head, as for eval.
         repeats: timed passes per setting (median); the settings alternate within a pass.
-        seed: sampling seed.
     """
 
     drafter: str
@@ -66,11 +65,8 @@ class TuneConfig(TargetOptions):
     val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
     limit: int = 8
-    max_new_tokens: int = 128
-    temperature: float = 0.0
     head_vocab: int = 8192
     repeats: int = 2
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in (*HEAD_KINDS, "confidence"):
@@ -152,7 +148,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.val_fraction, cfg.data_limit)
     ids = [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
-    sampling = SamplingConfig(cfg.temperature)
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     eos = target.eos_token_ids
     tree = cfg.tree_shape()
 

@@ -21,34 +21,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
-from draftsmith.options import ChatOptions, TargetOptions
+from draftsmith.options import ChatOptions, SamplingOptions, TargetOptions
 
 
 @dataclass(kw_only=True)
-class RegenerateConfig(TargetOptions, ChatOptions):
-    """Options of `draftsmith regenerate` (the target's, the chats', and these).
+class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
+    """Options of `draftsmith regenerate` (the target's, the chats', the sampling options' and these).
 
     Args:
         out: the .jsonl file to write (with OUT.meta.json: target and settings).
         turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
-        max_new_tokens: longest answer; longer ones are cut (counted).
         max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
-        temperature: 0 for greedy answers (what greedy decoding will see); > 0 samples.
-        top_p: nucleus filtering when sampling.
         batch_size: prompts generated together (grouped by length).
         chunk: conversations finished and appended to OUT together (the unit of resumption).
-        seed: sampling seed.
     """
 
     out: str
     turns: str = "first"
-    max_new_tokens: int = 512
     max_length: int = 2048
-    temperature: float = 0.0
-    top_p: float | None = None
     batch_size: int = 16
     chunk: int = 64
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.turns not in ("first", "all"):
@@ -66,7 +58,7 @@ class RegenerateConfig(TargetOptions, ChatOptions):
     def settings(self) -> dict[str, Any]:
         """What decides the answers: a resumed file must have been written with the same. Not `limit`:
         the first N conversations of a source are a prefix of its first M > N, so a larger limit extends a file."""
-        keep = ("data", "turns", "max_new_tokens", "max_length", "temperature", "top_p", "seed")
+        keep = ("data", "turns", "max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed")
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
@@ -124,7 +116,8 @@ class Answerer:
         device = self.model.device
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p or 1.0, "top_k": 0}
+        sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p or 1.0,
+                     "top_k": self.cfg.top_k or 0}
                     if self.cfg.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,

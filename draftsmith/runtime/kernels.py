@@ -34,6 +34,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from draftsmith.models.common import grouped_query_sdpa
 from draftsmith.models.packing import pack, packable, packed_linear
 
+MIN_PACKED_SIZE = 1 << 16  # weights per linear from which packing pays on the CPUs measured
+
+
 def _forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dtype != packed.dtype or x.device.type != "cpu":
         return nn.functional.linear(x, module.weight, module.bias)
@@ -65,13 +68,16 @@ class Switch:
 
 class PackedLinears(Switch):
     """`with PackedLinears(model, ...):` every plain `nn.Linear` of the modules that oneDNN can
-    pack computes on its packed copy; nested uses are fine (the outermost one switches).
+    pack and that holds at least `min_size` weights computes on its packed copy; nested uses are
+    fine (the outermost one switches). oneDNN's call costs more than `F.linear`'s, which a small
+    weight's product does not win back (`benchmarks/packed_linear.py` measures where it does).
 
     Off (a no-op) when `enabled` is False. Grad mode and autocast always get `F.linear` itself."""
 
-    def __init__(self, *modules: nn.Module, enabled: bool = True):
+    def __init__(self, *modules: nn.Module, enabled: bool = True, min_size: int | None = None):
+        least = MIN_PACKED_SIZE if min_size is None else min_size
         linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear]
-        self.linears = [m for m in linears if packable(m.weight)] if enabled else []
+        self.linears = [m for m in linears if m.weight.numel() >= least and packable(m.weight)] if enabled else []
         self.forwards: dict[nn.Linear, tuple[tuple[int, int], Callable]] = {}
 
     def forward_of(self, module: nn.Linear) -> Callable:

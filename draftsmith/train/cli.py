@@ -8,6 +8,8 @@ from typing import Any
 
 from draftsmith.train.checkpoints import keep_checkpoints_beside, last_checkpoint
 
+BASE_RECIPE = Path(__file__).with_name("base.yaml")  # what every recipe extends
+
 
 def _not_litlogger_tip(record: Any) -> bool:
     return "litlogger" not in str(record.msg)
@@ -16,14 +18,17 @@ def _not_litlogger_tip(record: Any) -> bool:
 def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None) -> Any:
     """`draftsmith fit --config RECIPE [--trainer.max_steps N ...]`: LightningCLI over a recipe.
 
-    The recipe names the LightningModule (`model.class_path`) and DataModule (`data.class_path`);
-    `data.init_args.target` follows `model.init_args.target`. `resume`: the last.ckpt the caller will fit
+    The recipe extends `BASE_RECIPE` (its seed, logging interval and checkpoint callbacks) and names the
+    LightningModule (`model.class_path`) and DataModule (`data.class_path`); `data.init_args.target`
+    follows `model.init_args.target`; without a logger named, the run logs CSV under
+    `trainer.default_root_dir`/logs. `resume`: the last.ckpt the caller will fit
     from (`draftsmith run`); `--ckpt_path last` finds it. Either way the run's checkpoints stay beside it
     (`keep_checkpoints_beside`).
     """
     import logging
     import warnings
 
+    from jsonargparse import Namespace
     from pytorch_lightning.cli import LightningCLI
 
     from draftsmith.train.trainer import Trainer
@@ -39,11 +44,6 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
     # Lightning's advert for its hosted logger, printed by every Trainer: not something a run can act on
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_not_litlogger_tip)  # added once
 
-    # `--trainer.default_root_dir DIR` moves the whole run: a recipe's logger (and so the checkpoints, which
-    # Lightning keeps under the logger's directory) follows it unless the logger is set on the command line too
-    root_moved = any(a.split("=")[0] == "--trainer.default_root_dir" for a in argv)
-    logger_given = any(a.startswith("--trainer.logger") for a in argv)
-
     class DraftsmithCLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.link_arguments("model.init_args.target", "data.init_args.target")
@@ -58,9 +58,9 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
 
         def before_instantiate_classes(self) -> None:
             trainer = self._get(self.config, "trainer")
-            logger = trainer.logger
-            if root_moved and not logger_given and "save_dir" in getattr(logger, "init_args", {}):
-                logger.init_args.save_dir = trainer.default_root_dir
+            if trainer.logger is None or trainer.logger is True:  # no logger named: the run's CSV logs
+                trainer.logger = Namespace(class_path="pytorch_lightning.loggers.CSVLogger",
+                                           init_args=Namespace(save_dir=trainer.default_root_dir or ".", name="logs"))
             self.resume_from = resume
             if self._get(self.config, "ckpt_path") == "last":
                 self.resume_from = last_checkpoint(trainer)
@@ -76,8 +76,15 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
                 keep_checkpoints_beside(self.trainer, Path(self.resume_from))
 
     return DraftsmithCLI(trainer_class=Trainer, args=argv, run=run, subclass_mode_model=True, subclass_mode_data=True,
+                         parser_kwargs=_base_recipe(run),
                          save_config_callback=_config_saver(), save_config_kwargs={"overwrite": True},
                          auto_configure_optimizers=False)
+
+
+def _base_recipe(run: bool) -> dict[str, Any]:
+    """LightningCLI's parser arguments that read BASE_RECIPE first: the subcommands' parsers when it runs one."""
+    base = {"default_config_files": [str(BASE_RECIPE)]}
+    return {command: base for command in ("fit", "validate", "test", "predict")} if run else base
 
 
 def _data_online(data: Any) -> bool:

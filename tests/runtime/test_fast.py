@@ -46,7 +46,8 @@ def test_packed_linears_switch_nested_and_restore(monkeypatch):
     calls = []
     real = kernels.packed_linear
     monkeypatch.setattr(kernels, "packed_linear", lambda x, packed, b: calls.append(x.shape) or real(x, packed, b))
-    packed = PackedLinears(model)
+    assert PackedLinears(model).linears == []  # weights this small run faster on F.linear
+    packed = PackedLinears(model, min_size=0)
     assert len(packed.linears) == 2
     x = torch.randn(3, 8)
     with torch.no_grad(), packed:
@@ -65,7 +66,7 @@ def test_packed_linears_follow_weight_writes():
     in place, and the next packed call must see it, not the copy packed before."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
-    packed, x = PackedLinears(layer), torch.randn(2, 16)
+    packed, x = PackedLinears(layer, min_size=0), torch.randn(2, 16)
     with torch.no_grad(), packed:
         before = layer(x)
     torch.optim.SGD(layer.parameters(), lr=1.0).zero_grad()
@@ -82,7 +83,7 @@ def test_packed_linears_follow_weight_writes():
 def test_packed_linears_leave_training_and_autocast_alone(monkeypatch):
     layer = torch.nn.Linear(8, 4)
     monkeypatch.setattr(kernels, "packed_linear", lambda *a: pytest.fail("packed path taken"))
-    with PackedLinears(layer):
+    with PackedLinears(layer, min_size=0):
         out = layer(torch.randn(2, 8))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             assert layer(torch.randn(2, 8)).dtype == torch.bfloat16  # autocast's F.linear ran
@@ -125,7 +126,8 @@ def test_slab_cache_rollback_and_path_keeping_equal_recomputation(target):
 
 
 @pytest.mark.parametrize("shape", [None, TreeShape(3, 3, 8), TreeShape(3, 2, 6, lookup=4)])
-def test_fast_and_reference_runtimes_decode_the_same_tokens(target, shape):
+def test_fast_and_reference_runtimes_decode_the_same_tokens(target, shape, monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_PACKED_SIZE", 0)  # the test model's weights are small: pack them all
     drafter = proposers(target)["eagle3"]
     outputs = {}
     for fast in (True, False):

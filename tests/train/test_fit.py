@@ -61,7 +61,7 @@ KILL_AT_STEP_4 = textwrap.dedent("""
 
 def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_path):
     whole = recipe(tiny_features, tmp_path / "a")
-    result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8")
+    result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8", here=True)
     assert result.returncode == 0, result.stderr[-3000:]
     broken = recipe(tiny_features, tmp_path / "b")
     killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(broken), "--trainer.max_steps", "8"],
@@ -69,7 +69,7 @@ def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_p
     assert killed.returncode == -9, killed.stderr[-3000:]
     ckpt = torch.load(tmp_path / "b" / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 4 and ckpt["FeatureDataModule"]["batches_done"] == 4  # mid-epoch
-    resumed = run_cli("fit", "--config", str(broken), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    resumed = run_cli("fit", "--config", str(broken), "--trainer.max_steps", "8", "--ckpt_path", "last", here=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = trained_state(tmp_path / "a" / "run" / "ckpt" / "last.ckpt")
     b = trained_state(tmp_path / "b" / "run" / "ckpt" / "last.ckpt")
@@ -97,7 +97,7 @@ def test_a_shipped_recipe_killed_between_validations_resumes_from_its_last_steps
     ckpt_dir = tmp_path / "run" / "ckpt"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["best-step=3.ckpt", "last.ckpt"]
     assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
-    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last")
+    resumed = run_cli("fit", "--config", str(path), "--trainer.max_steps", "8", "--ckpt_path", "last", here=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 8
     assert not list(ckpt_dir.glob("last-v*.ckpt"))
@@ -192,12 +192,14 @@ def test_ddp_ranks_take_the_auto_precision_rank_0_chose(tiny_features, tmp_path)
 
 def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp_path):
     other = save_tiny_target(tmp_path / "other", seed=3)
-    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--model.init_args.target", str(other))
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--model.init_args.target", str(other),
+                     here=True)
     assert result.returncode == 2 and "come from another target" in result.stderr
     assert "weights_fingerprint" in result.stderr and "draftsmith extract --target" in result.stderr
-    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--data.init_args.features_dir", str(tmp_path / "none"))
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--data.init_args.features_dir", str(tmp_path / "none"),
+                     here=True)
     assert result.returncode == 2 and "make the features with:\n  draftsmith extract --target" in result.stderr
-    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 3])))
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 3])), here=True)
     assert result.returncode == 2 and "out of range" in result.stderr
 
 
@@ -269,15 +271,24 @@ def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_
     assert not any("run from within Python" in str(w.message) for w in caught)
 
 
-def test_default_root_dir_moves_the_recipe_logger_unless_the_logger_is_given(tiny_features, tmp_path):
+def test_a_recipe_extends_the_base_recipe_and_logs_under_its_root(tiny_features, tmp_path):
+    """A recipe that names no seed, logger or callbacks gets the base recipe's (seed 0, the best-τ̂ and
+    last checkpoints) and CSV logs under its default_root_dir, wherever the command line moves that."""
     from draftsmith.train.cli import lightning_cli
 
-    config = str(recipe(tiny_features, tmp_path))
-    moved = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved")], run=False)
+    path = recipe(tiny_features, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["seed_everything"], cfg["trainer"]["logger"], cfg["trainer"]["callbacks"]
+    path.write_text(yaml.safe_dump(cfg))
+    cli = lightning_cli(["--config", str(path)], run=False)
+    assert cli.config["seed_everything"] == 0
+    assert cli.trainer.logger.save_dir == str(tmp_path / "run") and cli.trainer.logger.name == "logs"
+    kept = {(cb.monitor, cb.save_last) for cb in cli.trainer.checkpoint_callbacks}
+    assert kept == {("val/tau", None), (None, True)}
+    moved = lightning_cli(["--config", str(path), "--trainer.default_root_dir", str(tmp_path / "moved")], run=False)
     assert moved.trainer.logger.save_dir == str(tmp_path / "moved")
-    both = lightning_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path / "moved"),
-                          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")], run=False)
-    assert both.trainer.logger.save_dir == str(tmp_path / "logs")
+    named = lightning_cli(["--config", str(recipe(tiny_features, tmp_path / "named"))], run=False)
+    assert named.trainer.logger.version == 0  # a recipe's own logger is kept as it is
 
 
 def test_fit_without_a_logger_writes_nothing_into_the_working_directory(tiny_features, tmp_path):
@@ -289,15 +300,13 @@ def test_fit_without_a_logger_writes_nothing_into_the_working_directory(tiny_fea
     cfg = yaml.safe_load(path.read_text())
     cfg["trainer"].update(logger=False, max_steps=2, val_check_interval=2)
     path.write_text(yaml.safe_dump(cfg))
-    kept = subprocess.run([sys.executable, "-m", "draftsmith.cli", "fit", "--config", str(path)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    kept = run_cli("fit", "--config", str(path), cwd=str(cwd), here=True)
     assert kept.returncode == 0, kept.stderr[-3000:]
     assert list(cwd.iterdir()) == []
     saved = yaml.safe_load((tmp_path / "run" / "ckpt" / "config.yaml").read_text())  # beside the checkpoints
     assert saved["trainer"]["max_steps"] == 2
     cfg["trainer"].update(callbacks=None, enable_checkpointing=False)
     path.write_text(yaml.safe_dump(cfg))
-    bare = subprocess.run([sys.executable, "-m", "draftsmith.cli", "fit", "--config", str(path)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    bare = run_cli("fit", "--config", str(path), cwd=str(cwd), here=True)
     assert bare.returncode == 0, bare.stderr[-3000:]
     assert list(cwd.iterdir()) == []
