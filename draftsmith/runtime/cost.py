@@ -11,12 +11,12 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.steps import DraftStep, TreeLevel
+from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan
 
 
 class CostMeter:
@@ -69,7 +69,7 @@ class CostMeter:
 
 
 @dataclass
-class CostAware:
+class CostAware(Policy):
     """Draft a token only while it is expected to pay for itself.
 
     A drafted token costs c rounds (measured by `meter`, or fixed by `cost`) and saves one round
@@ -200,7 +200,7 @@ class TreeCostMeter:
 
 
 @dataclass
-class TreeCost:
+class TreeCost(Policy, TreePlan):
     """`--policy cost` with `--tree`: every round's tree is sized by what its nodes are expected to
     buy. The tree shape gives the most it may draft (depth, top-k, nodes); within it a round
 
@@ -224,6 +224,14 @@ class TreeCost:
     def keep_going(self, step: DraftStep) -> bool:
         return False
 
+    decides_depth = True
+
+    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
+        """This policy, its verification forwards timed at the first round (rows 0 to `most`)."""
+        if not self.meter.verify:
+            self.meter.calibrate(verify_seconds, [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
+        return self
+
     def _best(self, values: list[float], draft_seconds: float) -> tuple[int, float]:
         """(n, rate) for the n ≥ 1 best of `values` (sorted, largest first) with the highest expected
         tokens per second."""
@@ -244,6 +252,10 @@ class TreeCost:
         n, rate = self._best(values, level.levels * seconds)
         added = seconds + self.meter.verify_seconds(n + len(level.expanding)) - self.meter.verify_seconds(n)
         return beta * sum(math.exp(s) for s in level.expanding) >= rate * added
+
+    def keep(self, tree: Any, draft_seconds: float) -> int:
+        self.meter.levels.append(draft_seconds / max(1, tree.max_depth))
+        return self.size(tree.scores, draft_seconds)
 
     def size(self, scores: torch.Tensor, draft_seconds: float) -> int:
         """How many of a drafted tree's best nodes (scores (n,)) to verify."""
@@ -271,5 +283,3 @@ class TreeCost:
         self.meter.predictions.append((self.predicted, accepted))
         self.meter.add_lookup(lookup_offered, lookup_reached)
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass

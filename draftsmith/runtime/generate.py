@@ -18,8 +18,7 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.runtime.policies import Fallback
-from draftsmith.runtime.steps import Policy, TreeStop
-from draftsmith.runtime.cost import TreeCost
+from draftsmith.runtime.steps import Policy
 from draftsmith.runtime.proposers import Proposer, TreeProposer
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.sampling import SamplingConfig, distributions, greedy_tokens, sample
@@ -89,35 +88,26 @@ def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int
     """Draft an EAGLE-2 tree (with a prompt-lookup branch grafted on when the shape asks), verify it
     in one target forward under the tree mask, keep the accepted path's cache entries. Same returns
     as `_chain_round`, features of the path rows. `room`: drafted tokens that can still be committed.
-    A `TreeStop` policy decides the depth within the shape; the cost policy (`TreeCost`) also chooses
-    the nodes and the lookup tokens."""
-    sizer = policy if isinstance(policy, TreeCost) else None
+    The policy's plan of the round (`Policy.plan_tree`) decides the depth within the shape, the nodes
+    verified and the lookup tokens grafted."""
     start = runner.cached()
     shape = replace(shape, depth=min(shape.depth, room))
-    if sizer is not None and not sizer.meter.verify:
-        most = shape.total_tokens + shape.lookup
-        sizer.meter.calibrate(lambda n: _verify_seconds(runner, sequence[-1], n),
-                              [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
+    plan = policy.plan_tree(shape.total_tokens + shape.lookup, lambda n: _verify_seconds(runner, sequence[-1], n))
     t0 = time.perf_counter()
-    tree = proposer.propose_tree(shape, policy.expand if isinstance(policy, TreeStop) else None)
+    tree = proposer.propose_tree(shape, plan.expand if plan.decides_depth else None)
     seconds = time.perf_counter() - t0
-    if sizer is not None:
-        sizer.meter.levels.append(seconds / max(1, tree.max_depth))
-        tree = prune(tree, sizer.size(tree.scores, seconds))
+    tree = prune(tree, plan.keep(tree, seconds))
     drafted = len(tree)  # the drafter's nodes; a lookup branch grafted after them
     if shape.lookup:
         branch = lookup_continuation(sequence, min(shape.lookup, room))
-        if sizer is not None and branch:
-            branch = branch[: sizer.lookup_length(len(tree), len(branch), seconds)]
-        tree = graft(tree, branch)
+        tree = graft(tree, branch[: plan.lookup_length(len(tree), len(branch), seconds)] if branch else branch)
     logits, final, aux = runner.forward([sequence[-1]] + tree.tokens.tolist(), tree)  # (n+1, V)
     if sampling.greedy:
         path, token = verify_tree_greedy(tree, greedy_tokens(logits))
     else:
         path, token = verify_tree(tree, distributions(logits, sampling)[1], generator)
     runner.keep_path(start, path)
-    if sizer is not None:
-        sizer.verified(sum(i < drafted for i in path), len(tree) - drafted, sum(i >= drafted for i in path))
+    plan.verified(sum(i < drafted for i in path), len(tree) - drafted, sum(i >= drafted for i in path))
     rows = torch.tensor([0] + [1 + i for i in path], device=final.device)
     features = (final[rows], aux[rows] if aux is not None else None)
     return tree.tokens[path].tolist(), token, features, (len(tree), tree.max_depth)
@@ -146,8 +136,8 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
     """Speculative decoding of up to `max_new_tokens` after `prompt`; returns tokens and per-round stats.
 
     With `tree`, each round drafts an EAGLE-2 dynamic tree (feature drafters only) instead of
-    asking `policy` for a chain; a `TreeStop` policy (cost, specdec, disco) decides how deep it goes,
-    any other drafts the full shape. Deferral rules (`rule`) apply to chain drafts.
+    asking `policy` for a chain; the policy's plan of each tree round (cost, specdec, disco) decides
+    how deep it goes, any other drafts the full shape. Deferral rules (`rule`) apply to chain drafts.
     """
     if tree is not None and not isinstance(proposer, TreeProposer):
         raise DraftsmithError(f"tree drafting needs a feature drafter (EAGLE/HASS/EAGLE-3), not {type(proposer).__name__}")

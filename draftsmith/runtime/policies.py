@@ -5,10 +5,10 @@ last one, the drafter's raw distribution it was drawn from and the drafter's hid
 produced that distribution, so learned stop heads (SpecDec++, DISCO) plug in as policies and
 decoding stays lossless whatever they decide. `end_round` tells it what was accepted.
 
-Trees: a policy that also has `expand` (`TreeStop`: the cost policy and both stop heads) is asked
-before each level of an EAGLE-2 tree after the first whether to draft it (`TreeLevel`); the others
-leave trees their full shape. The interface is `runtime/steps.py`; the cost policies, which measure
-what a drafted token costs, are `runtime/cost.py`.
+Trees: a policy plans each EAGLE-2 tree round (`Policy.plan_tree`): the stop heads are asked before
+each level after the first whether to draft it (`TreeLevel`), the cost policy also sizes the tree;
+the others leave trees their full shape. The interface is `runtime/steps.py`; the cost policies,
+which measure what a drafted token costs, are `runtime/cost.py`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC
 from draftsmith.runtime.cost import CostAware
-from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel
+from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan
 
 
 @dataclass
-class Static:
+class Static(Policy):
     """Always K tokens."""
 
     k: int = 4
     name: str = "static"
+    fixed_length = True
 
     def max_tokens(self) -> int:
         return self.k
@@ -37,12 +38,9 @@ class Static:
     def keep_going(self, step: DraftStep) -> bool:
         return step.position < self.k
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
-
 
 @dataclass
-class Heuristic:
+class Heuristic(Policy):
     """transformers' assisted-generation schedule: +2 after a fully accepted draft, −1 otherwise."""
 
     k: int = 5
@@ -65,7 +63,7 @@ def sure(step: DraftStep, threshold: float) -> bool:
 
 
 @dataclass
-class Confidence:
+class Confidence(Policy):
     """Draft while the drafter's top probability stays at or above `threshold` (at most k)."""
 
     threshold: float = 0.4
@@ -78,12 +76,9 @@ class Confidence:
     def keep_going(self, step: DraftStep) -> bool:
         return step.position < self.k and sure(step, self.threshold)
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
-
 
 @dataclass
-class Fallback:
+class Fallback(Policy):
     """Another policy, stopped after the first drafted token whose top probability is below `threshold`
     (BiLD's fallback: the runtime then leaves that token to the target)."""
 
@@ -102,7 +97,7 @@ class Fallback:
 
 
 @dataclass
-class Oracle:
+class Oracle(Policy):
     """The oracle draft length, an upper bound for evaluation, not a policy a user can run.
 
     It knows the target's own greedy continuation (`reference`: prompt + continuation) and, after
@@ -126,12 +121,9 @@ class Oracle:
         return (step.position < min(self.k, len(chain)) and at < len(self.reference)
                 and chain[step.position] == self.reference[at])
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
-
 
 @dataclass
-class AcceptanceStop:
+class AcceptanceStop(Policy, TreePlan):
     """SpecDec++: stop once the predicted chance that some drafted token is rejected exceeds `threshold`.
 
     The acceptance head reads the drafter's hidden state that drafted token i and predicts a_i, its
@@ -159,6 +151,11 @@ class AcceptanceStop:
         self.accepted *= self.head.acceptance(step.hidden, step.q_raw, step.position)
         return 1 - self.accepted <= self.threshold
 
+    decides_depth = True
+
+    def plan_tree(self, most: int, verify_seconds: Any) -> TreePlan:
+        return self
+
     @torch.no_grad()
     def expand(self, level: TreeLevel) -> bool:
         """Trees: draft the next level while the chain's rule holds for the best node it would expand,
@@ -176,12 +173,9 @@ class AcceptanceStop:
             accepted *= self.nodes[tokens]
         return 1 - accepted <= self.threshold
 
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
-
 
 @dataclass
-class ClassifierStop:
+class ClassifierStop(Policy, TreePlan):
     """DISCO: keep drafting while the stop classifier's confidence in the last drafted token stays at or
     above `threshold`, at most k (SL_max) tokens. The classifier reads the distribution the token was
     drawn from (its top-k probabilities and entropy) and the token's position in the round."""
@@ -200,13 +194,15 @@ class ClassifierStop:
             return self.k > 0
         return step.position < self.k and self.head.confidence(step.q_raw, step.position) >= self.threshold
 
+    decides_depth = True
+
+    def plan_tree(self, most: int, verify_seconds: Any) -> TreePlan:
+        return self
+
     def expand(self, level: TreeLevel) -> bool:
         """Trees: draft the next level while the best node it would expand passes the chain's rule (the
         node sits at position `level.levels` ≥ 1 of its path)."""
         return self.keep_going(level.path[-1])
-
-    def end_round(self, drafted: int, accepted: int) -> None:
-        pass
 
 
 POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware,

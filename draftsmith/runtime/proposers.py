@@ -18,7 +18,6 @@ from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
 from draftsmith.runtime.cache import StaticKV
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel
-from draftsmith.runtime.policies import Static
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.tree import DraftTree, TreeLevels, TreeShape
 
@@ -51,7 +50,7 @@ class Proposer(Protocol):
         ...
 
 
-# expand(the tree so far) → whether to draft its next level (a TreeStop policy's expand)
+# expand(the tree so far) → whether to draft its next level (a tree plan's expand)
 Expand = Callable[[TreeLevel], bool]
 
 
@@ -247,10 +246,10 @@ class FeatureProposer:
     @under_packed_linears
     def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
-        if self.graphs is not None and type(policy) is Static:
-            if min(k, policy.k) <= 0:
+        if self.graphs is not None and policy.fixed_length:
+            if min(k, policy.max_tokens()) <= 0:
                 return _empty(self.vocab_size)
-            tokens, scaled, raw = self._fixed_chain(min(k, policy.k), sampling, generator)
+            tokens, scaled, raw = self._fixed_chain(min(k, policy.max_tokens()), sampling, generator)
             return tokens.tolist(), scaled, raw
         tokens, scaled, raw = [], [], []
         hidden, committed = self.hidden, len(sequence)  # hidden (1, 1, H): the state that drafts the next token

@@ -1,10 +1,11 @@
 """What a draft-length policy sees and answers (`runtime/policies.py` holds the policies): the draft so far
-(`DraftStep`), a tree round before its next level (`TreeLevel`), and the `Policy` and `TreeStop` protocols."""
+(`DraftStep`), a tree round before its next level (`TreeLevel`), the `Policy` base class and the plan of a
+tree round (`TreePlan`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -39,28 +40,55 @@ class TreeLevel:
     path: Sequence[DraftStep] = ()
 
 
-class Policy(Protocol):
-    """How many tokens a round drafts."""
+class TreePlan:
+    """One EAGLE-2 tree round as a policy decides it; what `Policy.plan_tree` returns, and what the
+    decoding loop asks in the round: whether to draft each level after the first (`expand`), how many
+    of the drafted nodes to verify (`keep`: the best by path score), how many grafted prompt-lookup
+    tokens (`lookup_length`), and what verification kept (`verified`). This plan is EAGLE-2's fixed
+    tree: every level of the shape, every node and lookup token verified. `decides_depth`: `expand`
+    is asked (else the proposer drafts the shape's every level, at fixed shapes where it can)."""
 
-    name: str
-
-    def max_tokens(self) -> int:
-        """The most tokens a round may draft."""
-        ...
-
-    def keep_going(self, step: DraftStep) -> bool:
-        """Draft one more token after `step`?"""
-        ...
-
-    def end_round(self, drafted: int, accepted: int) -> None:
-        """What verification made of the round's draft."""
-        ...
-
-
-@runtime_checkable
-class TreeStop(Protocol):
-    """A policy that also decides how deep an EAGLE-2 tree goes."""
+    decides_depth = False
 
     def expand(self, level: TreeLevel) -> bool:
         """Draft level `level.levels` + 1?"""
-        ...
+        return True
+
+    def keep(self, tree: Any, draft_seconds: float) -> int:
+        """How many of a drafted tree's best nodes to verify (it took `draft_seconds` to draft)."""
+        return len(tree)
+
+    def lookup_length(self, nodes: int, offered: int, draft_seconds: float) -> int:
+        """How many of `offered` lookup tokens to graft on the `nodes` kept."""
+        return offered
+
+    def verified(self, accepted: int, lookup_offered: int, lookup_reached: int) -> None:
+        """`accepted` of the drafter's nodes were accepted, the lookup branch reached `lookup_reached` deep."""
+
+
+WHOLE_TREE = TreePlan()
+
+
+class Policy:
+    """How many tokens a round drafts: a chain token by token (`keep_going`, at most `max_tokens`), a
+    tree through the plan `plan_tree` returns; `end_round` tells it what was accepted. `fixed_length`:
+    the policy drafts `max_tokens()` whatever the draft holds, so a proposer may draft them in one go."""
+
+    name: str
+    fixed_length = False
+
+    def max_tokens(self) -> int:
+        """The most tokens a round may draft."""
+        raise NotImplementedError
+
+    def keep_going(self, step: DraftStep) -> bool:
+        """Draft one more token after `step`?"""
+        raise NotImplementedError
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        """What verification made of the round's draft."""
+
+    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
+        """The plan of a tree round of at most `most` rows; `verify_seconds(n)` times a verification
+        forward of n rows (for a policy that prices them)."""
+        return WHOLE_TREE
