@@ -22,6 +22,7 @@ with the inverse-CDF draw, at the same acceptance.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -45,27 +46,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
 
-    import draftsmith.runtime.generate as generate_module
-    import draftsmith.runtime.proposers as proposers_module
-    import draftsmith.runtime.targets as targets_module
-    import draftsmith.runtime.tree as tree_module
-    import draftsmith.runtime.verify as verify_module
     from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.proposers import NoProposer
-    from draftsmith.runtime.sampling import SamplingConfig, sample
+    from draftsmith.runtime.sampling import SamplingConfig, drawing_with, sample
     from harness import median_ms
     from round_cost import fresh_eagle3
 
     samplers = {"": sample, "_multinomial": multinomial}
-    users = (generate_module, proposers_module, verify_module, targets_module, tree_module)
-
-    def use(sampler) -> None:  # every runtime module that draws calls `sample` by its own name
-        for module in users:
-            module.sample = sampler
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
     if args.drafter:
@@ -88,15 +79,15 @@ def main() -> None:
     timed: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         for suffix, sampler in samplers.items():
-            use(sampler)
             for arm, (drafting, policy) in arms.items():
                 g, seconds, count = torch.Generator().manual_seed(rep), 0.0, 0
-                for prompt in prompts:  # the rounds' time: the prefill left out (an autoregressive round is a token)
-                    out = generate(runner, drafting, prompt, args.new_tokens, policy, cfg, generator=g)
-                    seconds += sum(r.seconds for r in out.rounds)
-                    count += len(out.rounds)
+                # every draw of the loop, the drafter's and the verifier's
+                with drawing_with(sampler) if sampler is not sample else contextlib.nullcontext():
+                    for prompt in prompts:  # the rounds' time: the prefill left out (an autoregressive round is a token)
+                        out = generate(runner, drafting, prompt, args.new_tokens, policy, cfg, generator=g)
+                        seconds += sum(r.seconds for r in out.rounds)
+                        count += len(out.rounds)
                 timed.setdefault(arm + suffix, []).append(seconds / count * 1e3)
-    use(sample)
     ms = {key: statistics.median(values) for key, values in timed.items()}
     factor = (ms["ar"] / ms["ar_multinomial"]) / (ms["round"] / ms["round_multinomial"])
     print(f"target: embedded:smollm2-135m-instruct ({target.vocab_size} tokens), {args.dtype}; drafter: {what}; "

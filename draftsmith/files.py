@@ -16,20 +16,15 @@ from typing import Any, Iterator
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """`with atomic_path(p) as tmp:` write tmp (a file or a directory); it becomes `p` when the block ends
-    without an exception, and is removed otherwise."""
-    import shutil
-
+    """`with atomic_path(p) as tmp:` write the file tmp; it becomes `p` when the block ends without an
+    exception, and is removed otherwise."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

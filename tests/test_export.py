@@ -35,7 +35,7 @@ def test_eagle_format_per_engine(eagle_ckpt, tmp_path):
     assert json.loads((tmp_path / "e" / "eagle-reference" / "config.json").read_text())["rope_scaling"] is None
     sizes = dict(SIZES, V=ref["embed_tokens.weight"].shape[0])
     check_eagle(tensors, sizes, "vllm")
-    with pytest.raises(DraftsmithError, match="--format eagle3 is for EAGLE-3 drafters; this is an EAGLE-1/2/HASS drafter"):
+    with pytest.raises(DraftsmithError, match="--format eagle3 is for an EAGLE-3 drafter; this is an EAGLE-1/2/HASS drafter"):
         export(str(eagle_ckpt), "eagle3", str(tmp_path / "x"))
 
 

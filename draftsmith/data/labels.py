@@ -3,7 +3,6 @@ format; the fields are listed in `jobs/labels.py`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,6 @@ def write_label_shard(out: Path, part: int, chats: list[tuple[str, dict[str, tor
 
 def read_labels(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str], torch.Tensor]:
     """(run description, rows {field: (N, ...)}, chat ids, chat of each row (N,)) of a finished label directory."""
-    from safetensors import safe_open
-
     directory = Path(directory)
     manifest = shards.read_manifest(directory, "label", "labelling has not finished: rerun `draftsmith labels` with the "
                                     "same options", "no labels here: make them with `draftsmith labels`")
@@ -48,12 +45,11 @@ def read_labels(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     ids: list[str] = []
     chat_of: list[torch.Tensor] = []
     for name in manifest["shards"]:
-        with safe_open(str(directory / name), framework="pt") as f:
-            meta = json.loads(f.metadata()["draftsmith"])
-            offsets = f.get_tensor("offsets")
-            for k in ROW_FIELDS:
-                parts[k].append(f.get_tensor(k))
-        chat_of.append(torch.repeat_interleave(torch.arange(len(ids), len(ids) + len(meta["ids"])), offsets.diff()))
+        meta, tensors = shards.read_shard(directory / name, ("offsets", *ROW_FIELDS))
+        for k in ROW_FIELDS:
+            parts[k].append(tensors[k])
+        chat_of.append(torch.repeat_interleave(torch.arange(len(ids), len(ids) + len(meta["ids"])),
+                                               tensors["offsets"].diff()))
         ids += meta["ids"]
     rows = {k: torch.cat(v) for k, v in parts.items()}
     return manifest["run"], rows, ids, torch.cat(chat_of) if chat_of else torch.zeros(0, dtype=torch.long)
@@ -61,17 +57,14 @@ def read_labels(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 
 def label_manifest(out: Path, num_parts: int, run: dict[str, Any]) -> dict[str, Any]:
     """Totals over the shards, with the labelled acceptance by depth (a drafter's α_j on this data)."""
-    from safetensors import safe_open
-
     chats, hard, soft, reached, total = 0, None, None, None, None
     for p in range(num_parts):
-        with safe_open(str(out / shard_name(p)), framework="pt") as f:
-            chats += len(json.loads(f.metadata()["draftsmith"])["ids"])
-            depth = f.get_tensor("depth").long() - 1
-            k = run["k"]
-            add = lambda x: torch.zeros(k, dtype=torch.float64).index_add_(0, depth, x.double())  # noqa: E731
-            h, s, r, n = add(f.get_tensor("hard")), add(f.get_tensor("soft")), add(f.get_tensor("reached")), add(torch.ones(len(depth)))
-            hard, soft, reached, total = (h, s, r, n) if hard is None else (hard + h, soft + s, reached + r, total + n)
+        meta, rows = shards.read_shard(out / shard_name(p), ("depth", "hard", "soft", "reached"))
+        chats += len(meta["ids"])
+        depth = rows["depth"].long() - 1
+        add = lambda x: torch.zeros(run["k"], dtype=torch.float64).index_add_(0, depth, x.double())  # noqa: E731
+        h, s, r, n = add(rows["hard"]), add(rows["soft"]), add(rows["reached"]), add(torch.ones(len(depth)))
+        hard, soft, reached, total = (h, s, r, n) if hard is None else (hard + h, soft + s, reached + r, total + n)
     n = total.clamp_min(1)
     return {"run": run, "shards": [shard_name(p) for p in range(num_parts)], "num_chats": chats,
             "num_rows": int(total.sum()) if total is not None else 0,

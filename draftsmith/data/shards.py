@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -32,7 +32,7 @@ def shard_name(prefix: str, part: int) -> str:
 
 def offsets(counts: list[int]) -> torch.Tensor:
     """(R+1,) int64 start rows of R records of `counts` rows each."""
-    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64).cumsum(0)])
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -41,17 +41,24 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, An
     return path
 
 
-def shard_meta(path: Path) -> dict[str, Any]:
+def read_shard(path: Path, names: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A shard's metadata and its tensors `names`."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["draftsmith"])
+        return json.loads(f.metadata()["draftsmith"]), {k: f.get_tensor(k) for k in names}
 
 
-def remove_stale(out: Path, prefix: str) -> None:
-    """Delete the temporary files a killed run left (shards are owned by one writer at a time)."""
+def shard_meta(path: Path) -> dict[str, Any]:
+    return read_shard(path)[0]
+
+
+def remove_stale(out: Path, prefix: str, owns: Callable[[int], bool] = lambda part: True) -> None:
+    """Delete the temporary files a killed run left of the parts this writer `owns` (each part has one
+    writer at a time)."""
     for stale in out.glob(f".{prefix}-*.tmp.*"):
-        stale.unlink(missing_ok=True)
+        if owns(int(stale.name[len(prefix) + 2:].split(".")[0])):
+            stale.unlink(missing_ok=True)
 
 
 def comparable_run(run: dict[str, Any]) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
     from draftsmith.data.features import build_manifest, shard_name, write_shard
-    from draftsmith.data.shards import claim_directory, recorded
+    from draftsmith.data.shards import claim_directory, recorded, remove_stale
     from draftsmith.models.target import load_target
     from draftsmith.models.precision import resolve_dtype
 
@@ -183,9 +183,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     num_parts = math.ceil(len(convs) / cfg.shard_size)
     existing = sum((out / shard_name(p)).exists() for p in range(num_parts))
     todo = [p for p in range(rank, num_parts, world) if not (out / shard_name(p)).exists()]
-    for stale in out.glob(".shard-*.tmp.*"):  # left by a killed run; parts are owned by one rank
-        if int(stale.name.split("-")[1].split(".")[0]) % world == rank:
-            stale.unlink(missing_ok=True)
+    remove_stale(out, "shard", owns=lambda part: part % world == rank)  # each part is one rank's
     mine = sum(min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in todo)
 
     started, tokens = time.perf_counter(), 0

@@ -78,6 +78,13 @@ def frozen_embedding(weight: torch.Tensor) -> nn.Embedding:
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive mask attention adds to its scores: 0 where
+    allowed, -inf elsewhere, which is what torch's SDPA makes of a boolean mask (the two give the same
+    bits). Every row must allow some position."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @contextmanager
 def grouped_query_sdpa(enabled: bool):
     """Let transformers' SDPA attention call torch's grouped-query mode (`enable_gqa`) under a mask

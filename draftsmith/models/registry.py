@@ -154,8 +154,8 @@ def check_format(kind: DrafterKind, fmt: str) -> None:
     """Refuse an export format the kind is not written in, naming the ones it is."""
     if fmt in kind.formats:
         return
-    owners = [k.title.split(" ", 1)[1] + "s" for k in DRAFTER_KINDS.values() if fmt in k.formats]
+    owners = [k.title for k in DRAFTER_KINDS.values() if fmt in k.formats]
     engines = kind.engine_formats()
     fix = f"use --format {' or '.join(engines)}" if engines else \
         "it exports as `native` (an ordinary transformers model directory)"
-    raise DraftsmithError(f"--format {fmt} is for {' and '.join(owners) or 'no drafter'}; this is {kind.title}: {fix}")
+    raise DraftsmithError(f"--format {fmt} is for {' or '.join(owners) or 'no drafter'}; this is {kind.title}: {fix}")

@@ -3,11 +3,12 @@
 A speculative round appends a few keys per layer, then drops the rejected ones (a chain) or
 moves the accepted path's rows up (a tree). transformers' DynamicCache appends with `torch.cat`,
 which copies every layer's whole cache on every forward. Here each layer holds a preallocated
-slab (B, kv, capacity, hd) and a length: appending writes into the slab, rolling back moves the
-length, and keeping a tree path (TargetRunner.keep_path writing through the views) copies only
-the path's rows. The keys and values a layer hands
-to attention are views of the slab's first `length` positions. When a sequence outgrows the
-slab, it is reallocated at twice the size (amortized: a few times per generation at most).
+slab (B, kv, capacity, hd) and a length (`KVSlab`): appending writes into the slab, rolling back
+moves the length, and keeping a tree path (TargetRunner.keep_path writing through the views)
+copies only the path's rows. The keys and values a layer hands to attention are views of the
+slab's first `length` positions. When a sequence outgrows the slab, it is reallocated at twice the
+size (amortized: a few times per generation at most). The same slab, written at given slots and
+read whole, is what runtime/graphs.py's fixed-shape forwards run on.
 
 Notation: B batch, kv key/value heads, S cached positions, hd head dim, n new positions.
 """
@@ -23,93 +24,93 @@ from transformers.cache_utils import DynamicLayer
 DEFAULT_CAPACITY = 1024
 
 
-class StaticKV:
-    """One layer's keys and values in a preallocated slab; the KV-buffer interface the drafters use
-    (`update`, `get_seq_length`, `crop(length)`) and views `keys`, `values` (B, kv, S, hd)."""
+class KVSlab(DynamicLayer):
+    """One layer's keys and values in preallocated slabs (B, kv, C, hd) and a length: the KV cache every
+    decoding forward uses, the target's (a transformers cache layer) and a drafter's (its buffer).
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY):
-        self.capacity, self.length = capacity, 0
+    Appending, the default: `update` writes the n new rows after the first `length` and hands attention
+    views of the first length + n positions (`keys`, `values`); a full slab is reallocated at twice the
+    size. With an `owner` (runtime/graphs.py's fixed-shape forwards, which CUDA graphs replay), the new
+    rows go to the slots the owner holds (`owner.slots`, a device tensor), attention reads the whole
+    slab under a mask, and the owner sets the length and the capacity (`grow`): a recorded graph's
+    shapes and addresses never change. The slabs start zeroed: a masked position still enters
+    attention's products (0 · NaN would be NaN).
+
+    `crop(n)`: n ≥ 0 keeps the first n positions (a drafter's rollback), n < 0 removes the last −n
+    (transformers' convention)."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, owner: Any = None) -> None:
+        super().__init__()
+        self.capacity, self.owner, self.length = capacity, owner, 0
         self.slab_k: torch.Tensor | None = None
         self.slab_v: torch.Tensor | None = None
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self.slab_k is None else self.slab_k[:, :, : self.length]
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.is_initialized = key_states.device, True
 
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self.slab_v is None else self.slab_v[:, :, : self.length]
-
-    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        if self.slab_k is not None and length <= self.slab_k.shape[2]:
-            return
-        capacity = max(self.capacity, length)
-        if self.slab_k is not None:
-            capacity = max(capacity, 2 * self.slab_k.shape[2])
-        b, h = keys.shape[:2]
-        slab_k = keys.new_empty(b, h, capacity, keys.shape[-1])
-        slab_v = values.new_empty(b, h, capacity, values.shape[-1])
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Slabs of `capacity` positions shaped like `keys`/`values`, holding the live rows of the old ones."""
+        slab_k = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
+        slab_v = values.new_zeros(*values.shape[:2], capacity, values.shape[-1])
         if self.slab_k is not None and self.length:
-            slab_k[:, :, : self.length] = self.keys
-            slab_v[:, :, : self.length] = self.values
+            slab_k[:, :, : self.length] = self.slab_k[:, :, : self.length]
+            slab_v[:, :, : self.length] = self.slab_v[:, :, : self.length]
         self.slab_k, self.slab_v = slab_k, slab_v
+        self._expose()
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any
+    def _expose(self) -> None:
+        """What attention reads: the live rows, or under an owner the whole slab."""
+        if self.slab_k is None:
+            self.keys = self.values = None
+        elif self.owner is not None:
+            self.keys, self.values = self.slab_k, self.slab_v
+        else:
+            self.keys, self.values = self.slab_k[:, :, : self.length], self.slab_v[:, :, : self.length]
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions (the owner's call)."""
+        if self.slab_k is not None:
+            self._allocate(self.slab_k, self.slab_v, capacity)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append n positions (B, kv, n, hd); returns all cached keys and values."""
-        end = self.length + keys.shape[2]
-        self._reserve(keys, values, end)
-        self.slab_k[:, :, self.length: end] = keys
-        self.slab_v[:, :, self.length: end] = values
+        """Write n new positions (B, kv, n, hd); returns the keys and values attention reads."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.owner is not None:
+            if self.slab_k is None:
+                self._allocate(key_states, value_states, self.owner.capacity)
+            self.slab_k.index_copy_(2, self.owner.slots, key_states)
+            self.slab_v.index_copy_(2, self.owner.slots, value_states)
+            return self.keys, self.values
+        end = self.length + key_states.shape[2]
+        if self.slab_k is None or end > self.slab_k.shape[2]:
+            grown = 2 * self.slab_k.shape[2] if self.slab_k is not None else 0
+            self._allocate(key_states, value_states, max(self.capacity, end, grown))
+        self.slab_k[:, :, self.length: end] = key_states
+        self.slab_v[:, :, self.length: end] = value_states
         self.length = end
+        self._expose()
         return self.keys, self.values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions."""
-        self.length = max(0, min(length, self.length))
-
-
-class SlabLayer(DynamicLayer):
-    """A transformers cache layer over a StaticKV; `keys`/`values` are the slab's live views."""
-
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        super().__init__()
-        self.kv = StaticKV(capacity)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = self.kv.update(key_states, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.kv.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes the number of positions to remove as a negative int")
-        self.kv.crop(self.kv.length + tokens_to_remove)
-        self.keys, self.values = self.kv.keys, self.kv.values
+        self.length = max(0, self.length + length if length < 0 else min(length, self.length))
+        self._expose()
 
     def reset(self) -> None:
-        self.kv.crop(0)
-        self.keys, self.values = self.kv.keys, self.kv.values
+        self.crop(0)
 
 
 def decoding_cache(config: Any, preallocated: bool = True, capacity: int = DEFAULT_CAPACITY) -> DynamicCache:
     """A transformers DynamicCache for `config`; `preallocated`: its full-attention layers are
-    `SlabLayer`s (sliding-window and other special layers stay as transformers makes them)."""
+    `KVSlab`s (sliding-window and other special layers stay as transformers makes them)."""
     cache = DynamicCache(config=config)
     if not preallocated:
         return cache
-    cache.layers = [SlabLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [KVSlab(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # no config: layers are made as the model asks
-        cache.layer_class_to_replicate = SlabLayer
+        cache.layer_class_to_replicate = KVSlab
     return cache

@@ -5,9 +5,10 @@ hundreds of small kernels, about fifteen a layer; launched one by one from Pytho
 take longer than the GPU's work. A CUDA graph records a forward's kernels once and replays them
 with one launch. A graph fixes every shape and address, so here:
 
-- each layer's keys and values live in a zeroed slab of fixed capacity (`FixedLayer`), written at
-  the slots the runner puts in a device tensor; attention reads the whole slab under a mask that
-  hides the positions not in the sequence (stale rows after a rollback, unwritten ones);
+- each layer's keys and values live in a zeroed slab of fixed capacity (runtime/cache.py's `KVSlab`,
+  owned by the forwards), written at the slots the runner puts in a device tensor; attention reads
+  the whole slab under a mask that hides the positions not in the sequence (stale rows after a
+  rollback, unwritten ones);
 - each row count n (1 for a plain step, K + 1 for a chain, nodes + 1 for a tree) has its own graph,
   captured at its first use; its inputs (token ids, positions, write slots, the mask) are buffers
   the runner fills before a replay, and its outputs (logits, final and fused aux features) are
@@ -39,55 +40,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.cache import DEFAULT_CAPACITY
+from draftsmith.models.common import additive_mask
+from draftsmith.runtime.cache import DEFAULT_CAPACITY, KVSlab
 from draftsmith.runtime.tree import DraftTree, tree_attention_mask
 
 ALIGN = 64  # capacities are multiples of this (attention kernels want aligned mask rows)
 MAX_GRAPH_ROWS = 128  # a drafter fed more rows at once (a prompt's anchors) runs eagerly
-
-
-class FixedLayer(DynamicLayer):
-    """One layer's keys and values in slabs (B, kv, C, hd) that never move while graphs hold them.
-    `update` writes the new rows at `owner.slots` (n,) and hands attention the whole slab; the
-    length is the owner's to set (a replay runs no Python). Also the drafters' KV-buffer interface
-    (`update`, `get_seq_length`, `crop(length)`)."""
-
-    def __init__(self, owner: Any) -> None:
-        super().__init__()
-        self.owner, self.length = owner, 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, heads, _, dim = key_states.shape
-        # zeros: a masked position still enters attention's products (0 · NaN would be NaN)
-        self.keys = key_states.new_zeros(b, heads, self.owner.capacity, dim)
-        self.values = value_states.new_zeros(b, heads, self.owner.capacity, value_states.shape[-1])
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, self.owner.slots, key_states)
-        self.values.index_copy_(2, self.owner.slots, value_states)
-        return self.keys, self.values
-
-    def grow(self, capacity: int) -> None:
-        if self.is_initialized:
-            keys, values = self.keys, self.values
-            self.keys = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
-            self.values = values.new_zeros(*values.shape[:2], capacity, values.shape[-1])
-            self.keys[:, :, : self.length] = keys[:, :, : self.length]
-            self.values[:, :, : self.length] = values[:, :, : self.length]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions; a negative value removes that many."""
-        self.length = max(0, self.length + max_length if max_length < 0 else min(max_length, self.length))
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 class Recorded:
@@ -123,7 +81,7 @@ class Recorded:
         return entry[1]
 
 
-def _reserve(owner: Any, length: int, layers: list[FixedLayer]) -> None:
+def _reserve(owner: Any, length: int, layers: list[KVSlab]) -> None:
     """Room for `length` positions in `owner`'s slabs: when outgrown, twice the size (or `length`), and
     the input buffers and graphs, which hold the old slabs' addresses and mask width, made again."""
     if length <= owner.capacity:
@@ -162,7 +120,7 @@ class FixedForwards:
         self.runner = runner
         self.capture = _check_capture(capture, runner.device)
         self.capacity = _aligned(capacity)
-        self.slots: torch.Tensor | None = None  # what FixedLayer.update writes at, set per forward
+        self.slots: torch.Tensor | None = None  # where the KV slabs write a forward's rows, set per forward
         self.inputs: dict[int, Inputs] = {}
         self.recorded = Recorded(runner.device)
         self.cache = None
@@ -174,7 +132,7 @@ class FixedForwards:
             if any(type(layer) is not DynamicLayer for layer in cache.layers) or not cache.layers:
                 raise DraftsmithError("CUDA graphs need a target whose layers all use full attention "
                                       "(sliding-window or recurrent layers have no fixed-shape cache here)")
-            cache.layers = [FixedLayer(self) for _ in cache.layers]
+            cache.layers = [KVSlab(owner=self) for _ in cache.layers]
             cache.layer_class_to_replicate = None
             self.cache = cache
         for layer in self.cache.layers:
@@ -224,7 +182,7 @@ class FixedForwards:
         if self.runner.bool_masks:
             inputs.mask.copy_(allowed)
         else:
-            inputs.mask.copy_(torch.zeros_like(inputs.mask).masked_fill(~allowed, torch.finfo(inputs.mask.dtype).min))
+            inputs.mask.copy_(additive_mask(allowed, inputs.mask.dtype))
         outputs = self.recorded.replay(n, lambda: self._run(inputs, False)) if replay else self._run(inputs, last_logits)
         for layer in self.cache.layers:
             layer.length = start + n
@@ -243,7 +201,7 @@ class FixedForwards:
 
 class DrafterGraphs:
     """A feature drafter's forward, called as the drafter is (tokens, feature, positions, mask, cache),
-    over a fixed-capacity KV slab (`cache`, a FixedLayer) and, on a GPU, replayed from a CUDA graph
+    over a fixed-capacity KV slab (`cache`, a KVSlab it owns) and, on a GPU, replayed from a CUDA graph
     per row count. The mask it is given covers the cached positions and the new rows; it is padded
     to the slab. `capture`: record graphs (default: on a GPU)."""
 
@@ -253,7 +211,7 @@ class DrafterGraphs:
         self.capture = _check_capture(capture, self.device)
         self.capacity = _aligned(capacity)
         self.slots: torch.Tensor | None = None
-        self.cache = FixedLayer(self)
+        self.cache = KVSlab(owner=self)
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.recorded = Recorded(self.device)
         self.generator: torch.Generator | None = None  # what recorded sampled drafts draw from (`draws`)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from draftsmith.models.common import grouped_query_sdpa
+from draftsmith.models.common import additive_mask, grouped_query_sdpa
 from draftsmith.models.packing import pack, packable, packed_linear
 
 MIN_PACKED_SIZE = 1 << 16  # weights per linear from which packing pays on the CPUs measured
@@ -153,8 +153,7 @@ class _LayerMask:
         mask = mask[..., :columns]
         if groups > 1:
             mask = _fold_rows(mask, groups)
-        # what torch's SDPA makes of a boolean mask (0 where it attends, -inf elsewhere), so results are the same bits
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return additive_mask(mask, dtype)
 
 
 def _fold_rows(mask: torch.Tensor, groups: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from draftsmith.models.common import KVBuffer, cache_kwargs, grouped_query_sdpa
-from draftsmith.runtime.cache import StaticKV
+from draftsmith.models.common import KVBuffer, additive_mask, cache_kwargs, grouped_query_sdpa
+from draftsmith.runtime.cache import KVSlab
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
@@ -100,7 +100,7 @@ def feed_chains(decoder: Any, cache: Any, tokens: torch.Tensor, anchors: torch.T
     device = anchors.device
     allowed = chain_mask(anchors, prefix, fed)
     dtype = next(decoder.parameters()).dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = additive_mask(allowed, dtype)
     with grouped_query_sdpa(gqa):
         return decoder(input_ids=tokens[None].to(device), position_ids=(anchors + fed)[None], attention_mask=mask[None, None],
                        use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[0]
@@ -183,7 +183,7 @@ class FeatureProposer:
             self.graphs.reset()
             cache = self.graphs.cache
         else:
-            cache = StaticKV() if self.fast else KVBuffer()
+            cache = KVSlab() if self.fast else KVBuffer()
         self.cache, self.anchors, self.hidden, self.forwards = cache, 0, None, 0
 
     @torch.no_grad()

@@ -10,7 +10,9 @@ Notation: V vocab; leading dimensions are arbitrary (..., V).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -73,6 +75,21 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+_DRAW: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor] | None = None  # see `drawing_with`
+
+
+@contextmanager
+def drawing_with(draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]) -> Iterator[None]:
+    """Every `sample` of the runtime draws with `draw(probs, generator)` instead, while the context lasts:
+    another sampler measured in the same decoding loop (benchmarks/sampling_cost.py)."""
+    global _DRAW
+    before, _DRAW = _DRAW, draw
+    try:
+        yield
+    finally:
+        _DRAW = before
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of (..., V) probabilities (normalized or not), (...,) long: the first index whose
     cumulative probability exceeds a uniform draw (inverse-CDF sampling, one random number per row, the
@@ -83,6 +100,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     decoding round draws at least once; it also checks the probabilities on the host first, which on a
     GPU makes each draw wait for the device and cannot be recorded into a CUDA graph. Here the check
     (no nan, inf or negative entry, no row summing to 0) runs on a CPU only, where it costs no wait."""
+    if _DRAW is not None:
+        return _DRAW(probs, generator)
     cdf = probs.double().cumsum(-1)
     if probs.device.type == "cpu":
         total = cdf[..., -1]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.models.common import additive_mask
 from draftsmith.runtime.steps import DraftStep, TreeLevel
 from draftsmith.runtime.sampling import sample
 
@@ -107,7 +108,7 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
 def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]: every row sees
     the cache and the root; node rows see their ancestors and themselves. Boolean (True: attend;
-    what SDPA takes as it is) when `dtype` is None, else additive (0 or the dtype's minimum)."""
+    what SDPA takes as it is) when `dtype` is None, else additive (`additive_mask`)."""
     n = len(tree)
     device = tree.tokens.device
     allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=device)
@@ -115,8 +116,7 @@ def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None 
     allowed[1:, cached + 1:] = ancestor_matrix(tree.parents)
     if dtype is None:
         return allowed[None, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_mask(allowed, dtype)[None, None]
 
 
 def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor,

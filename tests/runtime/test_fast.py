@@ -10,7 +10,7 @@ import torch
 import draftsmith.runtime.kernels as kernels
 from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer
-from draftsmith.runtime.cache import SlabLayer, StaticKV, decoding_cache
+from draftsmith.runtime.cache import KVSlab, decoding_cache
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.kernels import PackedLinears
@@ -90,9 +90,9 @@ def test_packed_linears_leave_training_and_autocast_alone(monkeypatch):
     assert out.requires_grad  # with grad on, F.linear itself runs
 
 
-def test_static_kv_matches_a_concatenating_buffer():
+def test_kv_slab_matches_a_concatenating_buffer():
     torch.manual_seed(0)
-    static, buffer = StaticKV(capacity=3), KVBuffer()
+    static, buffer = KVSlab(capacity=3), KVBuffer()
     for step, (n, keep) in enumerate([(2, 2), (4, 5), (3, 4), (1, 5), (6, 9), (2, 3)]):
         k, v = torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)
         got, expected = static.update(k, v), buffer.update(k, v)
@@ -108,7 +108,7 @@ def test_slab_cache_rollback_and_path_keeping_equal_recomputation(target):
     runner = TargetRunner(target)
     runner.reset()
     runner.cache = decoding_cache(target.config, capacity=3)  # small: it must grow on the way
-    assert all(isinstance(layer, SlabLayer) for layer in runner.cache.layers)
+    assert all(isinstance(layer, KVSlab) for layer in runner.cache.layers)
     prompt, tree, path = [4, 8, 15, 16, 23], hand_tree([42, 7, 9, 11, 30, 2]), [0, 2, 5]
     runner.forward(prompt[:-1])
     runner.forward([prompt[-1], 20, 21, 22])  # a chain of 3: the last two rejected
@@ -136,7 +136,7 @@ def test_fast_and_reference_runtimes_decode_the_same_tokens(target, shape, monke
         assert isinstance(runner.linears, PackedLinears) and bool(runner.linears.linears) == fast
         out = generate(runner, proposer, [5, 9, 5, 9, 5], 30, Static(3), tree=shape)
         outputs[fast] = out.tokens, [r.accepted for r in out.rounds]
-        assert isinstance(proposer.cache, StaticKV if fast else KVBuffer)
+        assert isinstance(proposer.cache, KVSlab if fast else KVBuffer)
     assert outputs[True] == outputs[False]
 
 

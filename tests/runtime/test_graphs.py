@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 from draftsmith import DraftsmithError
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
-from draftsmith.runtime.graphs import DrafterGraphs, FixedLayer, compile_blocks
+from draftsmith.runtime.cache import KVSlab
+from draftsmith.runtime.graphs import DrafterGraphs, compile_blocks
 from draftsmith.runtime.cost import CostAware
 from draftsmith.runtime.policies import Static
 from draftsmith.runtime.proposers import FeatureProposer
@@ -28,7 +29,7 @@ from tests.runtime.test_tree import hand_tree, peaky_drafter
 def test_fixed_slabs_roll_back_keep_paths_and_grow_as_recomputation(target):
     runner = TargetRunner(target, capacity=8, graphs=True)  # small: it must grow on the way
     runner.reset()
-    assert runner.graphs.capacity == 64 and all(isinstance(layer, FixedLayer) for layer in runner.cache.layers)
+    assert runner.graphs.capacity == 64 and all(isinstance(layer, KVSlab) and layer.owner is runner.graphs for layer in runner.cache.layers)
     prompt, tree, path = [i % 50 for i in range(4, 64)], hand_tree([42, 7, 9, 11, 30, 2]), [0, 2, 5]
     runner.forward(prompt[:-1], last_logits=True)
     runner.forward([prompt[-1], 20, 21, 22])  # a chain of 3: the last two rejected
@@ -73,7 +74,7 @@ def test_fixed_drafter_drafts_what_the_plain_drafter_does(target, kind, shape):
     fixed = FeatureProposer(base.drafter, V, base.aux_layer_ids)
     fixed.enable_graphs(capture=False)
     fixed.graphs.capacity = 64  # from 1024: the prompts below outgrow it
-    assert fixed.cache is fixed.graphs.cache and isinstance(fixed.cache, FixedLayer)
+    assert fixed.cache is fixed.graphs.cache and isinstance(fixed.cache, KVSlab)
     for prompt, expected in greedy_cases(target, prompt_length=40, new_tokens=30):
         outputs = []
         for proposer in (fixed, FeatureProposer(base.drafter, V, base.aux_layer_ids)):

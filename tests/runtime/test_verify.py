@@ -221,3 +221,13 @@ def test_sample_draws_each_row_by_its_law_and_refuses_a_broken_one():
     for broken in ([0.5, float("nan")], [0.0, 0.0], [-0.1, 1.1], [float("inf"), 1.0]):
         with pytest.raises(Exception, match="inf, nan or a negative"):
             sample(torch.tensor(broken), g)
+
+
+def test_drawing_with_swaps_every_draw_of_the_runtime_and_restores_it():
+    """benchmarks/sampling_cost.py measures another sampler in the decoding loop through this one hook."""
+    from draftsmith.runtime.sampling import drawing_with, sample
+
+    probs = torch.tensor([[0.0, 1.0, 0.0]])
+    with drawing_with(lambda p, g: torch.full(p.shape[:-1], 2, dtype=torch.long)):
+        assert sample(probs).tolist() == [2]
+    assert sample(probs).tolist() == [1]
