@@ -62,6 +62,7 @@ bench: setup
 	$(PY) benchmarks/sampling_cost.py
 	$(PY) benchmarks/head_loss.py
 	$(PY) benchmarks/extract_throughput.py
+	$(PY) benchmarks/packed_linear.py
 
 # The serving engines' own code, to prove exports in it: vLLM pins its own transformers and torch
 # (2.13.0+cpu, the build `make setup` installs), so it lives in a virtualenv of its own.

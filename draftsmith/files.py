@@ -1,4 +1,5 @@
-"""Files written whole or not at all: a reader never sees half a shard, manifest or export.
+"""Files written whole or not at all: a reader never sees half a shard, manifest or export; and the
+lines of a JSON Lines file.
 
 Each writer writes under a temporary name in the same directory and renames it into place
 (`os.replace` is atomic on one filesystem); a crash leaves the old file or none, and a
@@ -38,3 +39,11 @@ def save_tensors_atomic(tensors: dict[str, Any], path: str | Path, metadata: dic
 
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+
+
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, each with its "\n" (the last may lack one). A JSON line ends at
+    "\n" only: a string inside a record may hold U+2028, U+0085 or a form feed, where `str.splitlines`
+    would cut the record in two."""
+    lines = text.split("\n")
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith import DraftsmithError
+from draftsmith.files import json_lines
 from draftsmith.options import ChatOptions
 
 ROLE_ALIASES = {
@@ -260,7 +261,7 @@ def _json_error(path: Path, text: str, e: json.JSONDecodeError) -> DraftsmithErr
 def _json_lines(path: Path, report: SourceReport) -> Iterator[Any]:
     """One record per line; a line that is not JSON is counted ("invalid_json_line"), not fatal."""
     text = _read_text(path)
-    for line in text.splitlines():
+    for line in json_lines(text):
         if not line.strip():
             continue
         try:

