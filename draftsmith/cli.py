@@ -219,7 +219,9 @@ def _add_commands(parser: Any, commands: dict[str, Any], prog: str) -> None:
             summary = f"{name} commands: {', '.join(entry)}"
         else:
             config, command = entry
-            sub = ArgumentParser(prog=f"{prog} {name}", description=command.__doc__)
+            positional = POSITIONAL.get(name)  # `draftsmith run RECIPE`: the usage line says so
+            usage = f"{prog} {name} {positional[2:].upper()} [options]" if positional else None
+            sub = ArgumentParser(prog=f"{prog} {name}", description=command.__doc__, usage=usage)
             sub.add_class_arguments(config, None, as_group=False)
             summary = command.__doc__.split("\n")[0]
         subcommands.add_subcommand(name, sub, help=summary)

@@ -30,6 +30,14 @@ def test_options_are_the_config_fields_each_with_its_help(path, entry, capsys):
     assert all(f"{f.name}:" in documented for f in fields(config)), config
 
 
+@pytest.mark.parametrize("command, positional", [("run", "RECIPE"), ("export", "CHECKPOINT")])
+def test_a_positional_argument_is_shown_as_one(command, positional, capsys):
+    """`draftsmith run RECIPE` is the README's form: the usage line gives it, not a required --recipe."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: draftsmith {command} {positional} [options]")
+
+
 def test_a_config_check_is_a_clear_error_from_the_command_line(capsys):
     with pytest.raises(SystemExit) as done:
         main(["eval", "--target", "x", "--lookup", "4"])
