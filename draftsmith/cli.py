@@ -296,6 +296,13 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted: finished shards (or regenerated chats) are kept; rerun the same command to resume",
               file=sys.stderr)
         sys.exit(130)
+    except SystemExit as stop:  # Lightning's stop on SIGTERM is a SystemExit of status 0
+        lightning = sys.modules.get("pytorch_lightning.utilities.exceptions")
+        if lightning is not None and isinstance(stop, lightning.SIGTERMException):
+            print("stopped by SIGTERM: training's last.ckpt is saved; rerun the same command (fit: with "
+                  "--ckpt_path last) to resume", file=sys.stderr)
+            sys.exit(143)
+        raise
 
 
 if __name__ == "__main__":

@@ -119,3 +119,24 @@ def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
     for cb in trainer.checkpoint_callbacks:
         if cb.dirpath is None:  # setup() would have put its files in the new version
             cb.dirpath = where
+
+
+def save_on_sigterm() -> Any:
+    """A callback that writes every save_last ModelCheckpoint's last.ckpt when the run is stopped by
+    SIGTERM (a scheduler's preemption, `kill`, a container stopping). Lightning stops such a run at the
+    end of a training step and, left alone, exits 0 having saved nothing since the last checkpoint."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+    from pytorch_lightning.utilities.rank_zero import rank_zero_info
+
+    class SaveOnSigterm(pl.Callback):
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            if not isinstance(exception, SIGTERMException):
+                return
+            for cb in trainer.checkpoint_callbacks:
+                if cb.save_last and cb.dirpath:
+                    path = Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+                    trainer.save_checkpoint(path)
+                    rank_zero_info(f"stopped by SIGTERM after step {trainer.global_step}: saved {path}")
+
+    return SaveOnSigterm()

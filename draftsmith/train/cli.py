@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.checkpoints import keep_checkpoints_beside, last_checkpoint
+from draftsmith.train.checkpoints import keep_checkpoints_beside, last_checkpoint, save_on_sigterm
 
 BASE_RECIPE = Path(__file__).with_name("base.yaml")  # what every recipe extends
 
@@ -72,6 +72,7 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
 
         def after_instantiate_classes(self) -> None:
             super().after_instantiate_classes()
+            self.trainer.callbacks.append(save_on_sigterm())
             if self.resume_from is not None:
                 keep_checkpoints_beside(self.trainer, Path(self.resume_from))
 

@@ -59,6 +59,37 @@ KILL_AT_STEP_4 = textwrap.dedent("""
 """)
 
 
+SIGTERM_AT_STEP_3 = textwrap.dedent("""
+    import os, signal, sys
+    import draftsmith.train.cli as train_cli
+    from draftsmith.cli import main
+    real = train_cli.save_on_sigterm
+    def with_a_sigterm():  # the callback fit adds, which also sends the process SIGTERM after step 3
+        class Term(type(real())):
+            def on_train_batch_end(self, trainer, *args):
+                if trainer.global_step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        return Term()
+    train_cli.save_on_sigterm = with_a_sigterm
+    main(sys.argv[1:])
+""")
+
+
+def test_sigterm_saves_the_last_checkpoint_and_says_so(tiny_features, tmp_path):
+    """A preempted run (SIGTERM) stops after its step with last.ckpt written and a non-zero status; Lightning
+    alone exits 0 and keeps only the last periodic checkpoint (here: none before step 50)."""
+    callbacks = [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"), "save_last": True, "save_top_k": 0,
+                                "every_n_train_steps": 50}}]
+    path = recipe(tiny_features, tmp_path, callbacks=callbacks)
+    stopped = subprocess.run([sys.executable, "-c", SIGTERM_AT_STEP_3, "fit", "--config", str(path),
+                              "--trainer.max_steps", "8"], capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM" in stopped.stderr and "--ckpt_path last" in stopped.stderr
+    ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 3 and ckpt["FeatureDataModule"]["batches_done"] == 3
+
+
 def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_path):
     whole = recipe(tiny_features, tmp_path / "a")
     result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8", here=True)
