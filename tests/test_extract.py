@@ -120,7 +120,7 @@ def test_two_processes_take_one_auto_type(tiny_target_dir, chats_file, tmp_path)
 def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
     with pytest.raises(DraftsmithError, match="--batch_tokens 100 is smaller than --max_length 256"):
         cfg(tiny_target_dir, chats_file, tmp_path, batch_tokens=100)
-    with pytest.raises(DraftsmithError, match="out of range"):
+    with pytest.raises(DraftsmithError, match="in a recipe: data.init_args.layer_ids.*out of range"):
         extract(cfg(tiny_target_dir, chats_file, tmp_path / "f", layer_ids=[7]))
 
 

@@ -174,12 +174,14 @@ class Target:
         n = self.num_layers
         return [2, n // 2, n - 3]
 
-    def check_layer_ids(self, layer_ids: list[int]) -> list[int]:
+    def check_layer_ids(self, layer_ids: list[int], where: str) -> list[int]:
+        """`layer_ids` as ints, refused (naming `where`, the option that holds them) when out of range."""
         bad = [i for i in layer_ids if not 0 <= int(i) <= self.num_layers]
         if bad:
             raise DraftsmithError(
-                f"layer ids {bad} are out of range for {self.identity.name} ({self.num_layers} layers): "
-                f"use 0..{self.num_layers} (id i = output_hidden_states[i], 0 = embeddings)"
+                f"{where}: layer ids {bad} are out of range for {self.identity.name} ({self.num_layers} layers): "
+                f"use 0..{self.num_layers} (id i = output_hidden_states[i], 0 = embeddings; EAGLE-3's default "
+                f"is {self.default_aux_layer_ids()})"
             )
         return [int(i) for i in layer_ids]
 

@@ -126,7 +126,8 @@ class DrafterModule(pl.LightningModule):
         head = target.lm_head.weight.detach()
         embed = target.embed_tokens.weight.detach()
         kind = self.kind
-        self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids()) \
+        self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids(),
+                                                     "model.init_args.aux_layer_ids") \
             if kind.fused_layers else []
         norm = getattr(target.decoder, "norm", None)
         self.drafter = kind.model_class.from_target(target.config, embed, head, norm.weight if norm is not None else None,

@@ -42,8 +42,8 @@ def test_target_is_frozen_and_identified(tiny_target_dir):
     assert ident == load_target(str(tiny_target_dir)).identity
     # bf16 loading keeps the identity (the fingerprint samples are rounded to bf16)
     assert load_target(str(tiny_target_dir), dtype="bfloat16").identity.weights_fingerprint == ident.weights_fingerprint
-    with pytest.raises(DraftsmithError, match=r"layer ids \[3\] are out of range .* use 0..2"):
-        target.check_layer_ids([1, 3])
+    with pytest.raises(DraftsmithError, match=r"^--layer_ids: layer ids \[3\] are out of range .* use 0..2"):
+        target.check_layer_ids([1, 3], "--layer_ids")
 
 
 def test_other_weights_change_the_fingerprint(tiny_target_dir, tmp_path):

@@ -231,7 +231,7 @@ def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp
                      here=True)
     assert result.returncode == 2 and "make the features with:\n  draftsmith extract --target" in result.stderr
     result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 3])), here=True)
-    assert result.returncode == 2 and "out of range" in result.stderr
+    assert result.returncode == 2 and "model.init_args.aux_layer_ids: layer ids [3] are out of range" in result.stderr
 
 
 def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
