@@ -58,6 +58,24 @@ def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
     return sorted(set(layer_ids) | set(data.get("layer_ids") or []))
 
 
+def _check_feature_source(out: Path, data: dict[str, Any], recipe: Path) -> None:
+    """Refuse a feature directory made from other chats than the recipe's (source, limit, max_length): it
+    would resume or be reused as if it were the recipe's. (`fit` checks the target's identity itself.)"""
+    import json
+
+    from draftsmith.data.shards import RUN_FILE
+
+    if not (out / RUN_FILE).is_file():
+        return
+    run = json.loads((out / RUN_FILE).read_text())
+    wanted = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
+    held = {"data": run["data"]["source"], "limit": run["data"]["limit"], "max_length": run["max_length"]}
+    diffs = [f"{k}: {held[k]!r} there, {wanted[k]!r} in the recipe" for k in wanted if held[k] != wanted[k]]
+    if diffs:
+        raise DraftsmithError(f"{out} holds features of other chats ({'; '.join(diffs)}): set {recipe}'s "
+                              f"data.init_args.features_dir to a new directory, or delete {out}")
+
+
 def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     """Extract an offline recipe's features when its feature directory has none (a partial extraction
     resumes), or when it lacks layers the recipe needs: then the directory is re-extracted with the
@@ -77,6 +95,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     if "features_dir" not in data:
         return
     out = Path(data["features_dir"])
+    _check_feature_source(out, data, recipe)
     needed, held = _layers_needed(model, data), None
     if (out / MANIFEST_FILE).is_file():
         held = read_manifest(out)["layer_ids"]

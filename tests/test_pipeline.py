@@ -1,6 +1,9 @@
 import json
 
+import pytest
 import yaml
+
+from draftsmith import DraftsmithError
 
 from tests.conftest import run_cli, sample_chats, save_tiny_target
 from tests.conftest import recipe
@@ -98,3 +101,10 @@ def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_add
     stamp = (features / "manifest.json").stat().st_mtime_ns
     ensure_features(shared("eagle3-again", kind="eagle3", aux_layer_ids=[0, 2]), console)  # nothing missing
     assert (features / "manifest.json").stat().st_mtime_ns == stamp
+    other = shared("other-chats")  # the same directory named by a recipe of other chats: refused, not reused
+    cfg = yaml.safe_load(other.read_text())
+    cfg["data"]["init_args"].update(limit=5, max_length=64)
+    other.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(DraftsmithError, match=r"holds features of other chats \(limit: None there, 5 in the recipe; "
+                                              r"max_length: 128 there, 64 in the recipe\)"):
+        ensure_features(other, console)
