@@ -56,6 +56,12 @@ def tokenize_chat(tokenizer: Any, conv: Conversation, max_length: int) -> tuple[
             f"{type(tokenizer).__name__} is a slow tokenizer; the assistant mask needs character "
             "offsets: load the target's fast tokenizer (tokenizer.json)"
         )
+    if getattr(tokenizer, "chat_template", None) is None:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DraftsmithError(
+            f"the tokenizer of {name} has no chat template (a base model?), so no chat can be rendered: give it "
+            "one, as `chat_template.jinja` beside its tokenizer files (or `chat_template` in tokenizer_config.json), "
+            "e.g. the template of the instruct model of its family")
     try:
         text, spans = assistant_spans(tokenizer, conv.messages)
     except TemplateNotPrefixStable:

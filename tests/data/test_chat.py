@@ -83,6 +83,15 @@ def test_template_rewriting_history_is_reported_not_guessed():
     assert chat is None and reason == "template_not_prefix_stable"
 
 
+def test_a_tokenizer_without_a_chat_template_is_a_clear_error_not_a_skip():
+    """A base model's tokenizer (Gemma-3-270M's GGUF) has no template: every chat used to be skipped as a
+    template error, and extraction 'succeeded' with 0 records."""
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    with pytest.raises(DraftsmithError, match="has no chat template .* `chat_template.jinja` beside its tokenizer files"):
+        tokenize_chat(tokenizer, CONV, 1000)
+
+
 def test_tokenizer_hash_tracks_template_and_vocab():
     assert tokenizer_hash(make_tokenizer(CHATML)) == tokenizer_hash(make_tokenizer(CHATML))
     assert tokenizer_hash(make_tokenizer(CHATML)) != tokenizer_hash(make_tokenizer(LLAMA3))
