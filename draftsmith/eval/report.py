@@ -92,6 +92,11 @@ def table(results: dict[str, Any]) -> Any:
     if acc.get("draft_vocab_coverage") is not None:
         t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
     config = results["config"]
+    agreement = results.get("output_agreement", 1.0)
+    if config.get("mode", "exact") == "exact" and not config.get("temperature") and agreement < 1:
+        t.caption += (f"  OUTPUTS DIFFER: the greedy outputs repeat the target's own for {agreement:.0%} of its tokens "
+                      f"(rounding near ties in {config.get('dtype', 'this type')}: a many-row product does not round as a "
+                      f"one-row one)")
     if config.get("mode", "exact") != "exact":  # not lossless: the output is not the target's own
         t.caption += (f"  LOSSY: --mode {config['mode']} --rule {config.get('rule') or 'default'} "
                       f"--alpha {config.get('alpha')}")
