@@ -33,7 +33,8 @@ def _newest(root: Path, pattern: str) -> Path | None:
 
 def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, options: DecodeOptions) -> Any:
     """The eval config `run` uses: the recipe's target, and for held-out prompts exactly the recipe's
-    validation split (its chats, its data.limit, its data.val_fraction); `options` decode as run was told."""
+    validation split (its chats, its data.limit, its data.val_fraction), prompts no longer than the chats it
+    trained on (its data.max_length); `options` decode as run was told."""
     from draftsmith.data.conversations import VAL_FRACTION
     from draftsmith.eval.evaluate import EvalConfig
 
@@ -41,7 +42,7 @@ def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, optio
     decode = {f.name: getattr(options, f.name) for f in fields(DecodeOptions)}
     return EvalConfig(target=model["target"], drafter=drafter, data=data.get("data", "sharegpt"),
                       val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out,
-                      **decode)
+                      max_prompt_length=data.get("max_length"), **decode)
 
 
 def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:

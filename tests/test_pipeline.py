@@ -37,6 +37,13 @@ def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
     prompts = load_prompts(eval_cfg.prompts, None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit)
     expected = validation_ids(cfg)
     assert len(expected) >= 5 and [p["id"] for p in prompts] == expected
+    # no prompt longer than the chats the drafter trained on (the recipe's data.max_length)
+    cfg["data"]["init_args"]["max_length"] = 40
+    eval_cfg = recipe_eval_config(cfg, None, str(tmp_path / "eval"), DecodeOptions(prompts="heldout"))
+    assert eval_cfg.max_prompt_length == 40
+    short = load_prompts(eval_cfg.prompts, None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit,
+                         lambda p: len(p["turns"][0]) < 30)
+    assert [p["id"] for p in short] == [p["id"] for p in prompts if len(p["turns"][0]) < 30] != expected
 
 
 def test_run_goes_end_to_end_and_skips_finished_stages(tmp_path):

@@ -156,6 +156,7 @@ class EvalConfig(DecodeOptions):
         data: the chats whose validation split `--prompts heldout` evaluates on.
         val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
         data_limit: the number of conversations the training split was drawn from (as the recipe's data.limit).
+        max_prompt_length: leave out prompts whose first turn, templated, is longer (`run`: the recipe's max_length).
         out: the results directory.
     """
 
@@ -164,6 +165,7 @@ class EvalConfig(DecodeOptions):
     data: str = "sharegpt"
     val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
+    max_prompt_length: int | None = None
     out: str = "runs/eval"
 
 
@@ -258,8 +260,12 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
     tok = target.tokenizer
     eos = target.eos_token_ids
-    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit)
     encode = target.encode_chat
+    fits = (lambda p: len(encode([{"role": "user", "content": p["turns"][0]}])) <= cfg.max_prompt_length)
+    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit,
+                           fits if cfg.max_prompt_length else None)
+    if not prompts:
+        raise DraftsmithError(f"no {cfg.prompts} prompt is at most --max_prompt_length {cfg.max_prompt_length} tokens long")
 
     conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
     if cfg.turns == "both":  # the second turn follows the target's own (greedy) first answer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
@@ -66,8 +66,9 @@ def heldout(data: str = "sharegpt", val_fraction: float = VAL_FRACTION, data_lim
 
 
 def load_prompts(name: str, limit: int | None = None, turns: str = "first", data: str = "sharegpt",
-                 val_fraction: float = VAL_FRACTION, data_limit: int | None = None) -> list[dict[str, Any]]:
-    """A prompt set, subsampled evenly across categories when `limit` is given."""
+                 val_fraction: float = VAL_FRACTION, data_limit: int | None = None,
+                 keep: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+    """A prompt set (those `keep` accepts), subsampled evenly across categories when `limit` is given."""
     if name == "mtbench":
         prompts = mtbench(turns)
     elif name == "humaneval":
@@ -76,6 +77,8 @@ def load_prompts(name: str, limit: int | None = None, turns: str = "first", data
         prompts = heldout(data, val_fraction, data_limit)
     else:
         raise DraftsmithError(f"unknown prompt set {name!r}; choose one of {PROMPT_SETS}")
+    if keep is not None:
+        prompts = [p for p in prompts if keep(p)]
     if limit is not None and limit < len(prompts):
         by_cat: dict[str, list] = {}
         for p in prompts:

@@ -53,6 +53,9 @@ def test_outputs_that_leave_the_targets_text_are_measured_and_flagged(eagle3_ckp
     _, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "2", "--repeats", "1",
                                  "--policy", "static", "--k", "2", "--dtype", "float32")
     assert results["output_agreement"] == 1.0 and results["identical_outputs"]
+    too_short = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                        "--max_prompt_length", "3", "--out", str(tmp_path / "none"))
+    assert too_short.returncode == 2 and "no mtbench prompt is at most --max_prompt_length 3 tokens" in too_short.stderr
     results["output_agreement"] = 0.82
     console = Console(record=True, width=400)
     console.print(table(results))
