@@ -315,12 +315,13 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     results = points[0] if not cfg.sweep else {"points": points}
     if rows is not None:
         results["reference_ends"] = {arm: reference_quality(rows, arm, sampling) for arm in ("target", "drafter")}
-    results["config"] = {**asdict(cfg), "dtype": target.dtype_name, "drafter": description,
-                         "eos_token_ids": list(eos),
+    results["config"] = {**asdict(cfg), "dtype": target.dtype_name, "drafter": description, "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                                     "load_average": [load_before, _load_average()]}
     busy = max((x for x in machine["load_average"] if x is not None), default=0.0)
+    for point in points:  # arms timed while other work shared the CPU: their ratio is not this machine's
+        point["speed"]["valid"] = busy <= machine["threads"] + 1
     if busy > machine["threads"] + 1:
         console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
                       "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")

@@ -74,12 +74,17 @@ def table(results: dict[str, Any]) -> Any:
     t = Table(title=f"{results['config']['prompts']}: {results['config']['drafter']} on {results['config']['target']}")
     for col in ("category", "prompts", "τ (with bonus)", "mean accepted", "tok/s", "AR tok/s", "speedup"):
         t.add_column(col, justify="right" if col != "category" else "left")
+    valid = speed.get("valid", True)  # False: other work shared the CPU while the arms were timed
+
+    def ratio(x: float, bold: str = "") -> str:
+        return f"{bold}{x:.2f}x" if valid else f"[red]({x:.2f}x) not valid"
+
     for cat, c in results["per_category"].items():
         t.add_row(cat, str(c["prompts"]), f"{c['tau']:.2f}", f"{c['mean_accepted']:.2f}",
-                  f"{c['tokens_per_second']:.1f}", f"{c['autoregressive_tokens_per_second']:.1f}", f"{c['speedup']:.2f}x")
+                  f"{c['tokens_per_second']:.1f}", f"{c['autoregressive_tokens_per_second']:.1f}", ratio(c["speedup"]))
     t.add_row("[bold]all", str(sum(c["prompts"] for c in results["per_category"].values())), f"[bold]{acc['tau']:.2f}",
               f"{acc['mean_accepted']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
-              f"{speed['autoregressive']['tokens_per_second']:.1f}", f"[bold]{speed['speedup']:.2f}x")
+              f"{speed['autoregressive']['tokens_per_second']:.1f}", ratio(speed["speedup"], "[bold]"))
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
     lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
     sized = "sized by cost within " if results["config"].get("policy") == "cost" else ""
@@ -92,6 +97,10 @@ def table(results: dict[str, Any]) -> Any:
     if acc.get("draft_vocab_coverage") is not None:
         t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
     config = results["config"]
+    if not valid:
+        load = max((x for x in results.get("machine", {}).get("load_average", []) if x is not None), default=0.0)
+        t.caption += (f"  SPEEDUP NOT VALID: other work shared the CPU (load average {load:.1f}); "
+                      f"rerun on a quiet machine")
     agreement = results.get("output_agreement", 1.0)
     if config.get("mode", "exact") == "exact" and not config.get("temperature") and agreement < 1:
         t.caption += (f"  OUTPUTS DIFFER: the greedy outputs repeat the target's own for {agreement:.0%} of its tokens "

@@ -95,6 +95,7 @@ def test_eval_records_the_load_and_warns_when_other_work_shared_the_cpu(tiny_fea
     from rich.console import Console
 
     from draftsmith.eval.evaluate import EvalConfig, evaluate
+    from draftsmith.eval.report import table
 
     cfg = EvalConfig(target=str(tiny_features / "target"), drafter=None, limit=1, max_new_tokens=4, repeats=1,
                      dtype="float32", out=str(tmp_path))
@@ -106,6 +107,11 @@ def test_eval_records_the_load_and_warns_when_other_work_shared_the_cpu(tiny_fea
         results = evaluate(cfg, Console(file=printed, width=300))
         assert results["machine"]["load_average"] == loads and results["machine"]["cpus"] == os.cpu_count()
         assert ("other work shared the CPU" in printed.getvalue()) == warned
+        assert results["speed"]["valid"] is not warned
+        shown = Console(record=True, width=400)
+        shown.print(table(results))
+        text = " ".join(shown.export_text().split())
+        assert ("SPEEDUP NOT VALID" in text and ") not valid" in text) == warned
 
 
 def test_draft_vocab_coverage_counts_generated_tokens_the_drafter_can_propose():
