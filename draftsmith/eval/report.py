@@ -55,13 +55,16 @@ def sweep_table(results: dict[str, Any]) -> Any:
         q, speed = point["quality"], point["speed"]
         rouge = q.get("rouge_l", {}).get("method")
         t.add_row(f"{point['alpha']:g}", f"{point['acceptance']['tau']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
-                  f"{speed['speedup']:.2f}x", f"{1 / speed['speedup']:.2f}", *ref_cells(q.get("reference")),
+                  f"{speed['speedup']:.2f}x" if speed.get("valid", True) else f"[red]({speed['speedup']:.2f}x) not valid",
+                  f"{1 / speed['speedup']:.2f}", *ref_cells(q.get("reference")),
                   f"{rouge:.3f}" if rouge is not None else "–",
                   f"{q['agreement']:.0%}" if "agreement" in q else "–")
     if "drafter" in ends:
         t.add_row("drafter", "–", "–", "–", "–", *ref_cells(ends["drafter"]), "–", "–")
     t.caption = (f"LOSSY (--mode {config['mode']}): the output is not the target's own. latency = wall time per token "
                  f"relative to the target alone in the same process, median of {config['repeats']} repeats")
+    if not all(point["speed"].get("valid", True) for point in results["points"]):
+        t.caption += "  SPEEDUP NOT VALID where marked: other work shared the CPU; rerun on a quiet machine"
     return t
 
 

@@ -122,3 +122,12 @@ def test_eval_sweep_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
     assert 0 <= lenient["quality"]["rouge_l"]["method"] <= 1 and strict["acceptance"]["tau"] >= 1
     assert (tmp_path / "e" / "quality_vs_latency.png").is_file()
     assert "sweep" in result.stdout and "LOSSY" in result.stdout
+    from rich.console import Console
+
+    from draftsmith.eval.report import table
+
+    lenient["speed"]["valid"] = False  # as evaluate marks a point timed while other work shared the CPU
+    shown = Console(record=True, width=400)
+    shown.print(table(results))
+    text = " ".join(shown.export_text().split())
+    assert "SPEEDUP NOT VALID where marked" in text and text.count(") not valid") == 1
