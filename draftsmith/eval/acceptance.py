@@ -78,17 +78,6 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
     return float(torch.isin(tokens, draftable.cpu()).float().mean())
 
 
-def output_agreement(reference: list[GenerationResult], method: list[GenerationResult]) -> float:
-    """The share of the reference's tokens that the method's outputs repeat before they first differ: 1.0
-    when greedy speculative decoding gives the target's own text. Below 1 in greedy exact decoding, the
-    two differ by rounding (bf16: a many-row product does not round as a one-row one does) near a tie."""
-    total = sum(len(r.tokens) for r in reference)
-    agreed = 0
-    for r, m in zip(reference, method):
-        agreed += next((i for i, (a, b) in enumerate(zip(r.tokens, m.tokens)) if a != b), min(len(r.tokens), len(m.tokens)))
-    return agreed / total if total else 1.0
-
-
 def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
             make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
             seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None,
@@ -132,7 +121,6 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
         "per_category": dict(per_category),
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),
-        "output_agreement": output_agreement(runs["autoregressive"][0], runs["method"][0]),
         "samples": [{"category": c, "tokens": x.tokens} for c, x in zip(categories, runs["method"][0][:3])],
         "outputs": {name: [x.tokens for x in reps[0]] for name, reps in runs.items()},  # the first repeat's text
     }

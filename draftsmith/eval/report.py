@@ -104,11 +104,10 @@ def table(results: dict[str, Any]) -> Any:
         load = max((x for x in results.get("machine", {}).get("load_average", []) if x is not None), default=0.0)
         t.caption += (f"  SPEEDUP NOT VALID: other work shared the CPU (load average {load:.1f}); "
                       f"rerun on a quiet machine")
-    agreement = results.get("output_agreement", 1.0)
-    if config.get("mode", "exact") == "exact" and not config.get("temperature") and agreement < 1:
-        t.caption += (f"  OUTPUTS DIFFER: the greedy outputs repeat the target's own for {agreement:.0%} of its tokens "
-                      f"(rounding near ties in {config.get('dtype', 'this type')}: a many-row product does not round as a "
-                      f"one-row one)")
+    agreement = results.get("quality", {}).get("agreement", 1.0)  # measured at temperature 0
+    if config.get("mode", "exact") == "exact" and agreement < 1:
+        t.caption += (f"  OUTPUTS DIFFER from the target's greedy text (agreement {agreement:.0%}): rounding near ties "
+                      f"in {config.get('dtype', 'this type')}, where a many-row product does not round as a one-row one")
     if config.get("mode", "exact") != "exact":  # not lossless: the output is not the target's own
         t.caption += (f"  LOSSY: --mode {config['mode']} --rule {config.get('rule') or 'default'} "
                       f"--alpha {config.get('alpha')}")
