@@ -33,7 +33,7 @@ class KVSlab(DynamicLayer):
     size. With an `owner` (runtime/graphs.py's fixed-shape forwards, which CUDA graphs replay), the new
     rows go to the slots the owner holds (`owner.slots`, a device tensor), attention reads the whole
     slab under a mask, and the owner sets the length and the capacity (`grow`): a recorded graph's
-    shapes and addresses never change. The slabs start zeroed: a masked position still enters
+    shapes and addresses never change, and the slabs start zeroed: a masked position still enters
     attention's products (0 · NaN would be NaN).
 
     `crop(n)`: n ≥ 0 keeps the first n positions (a drafter's rollback), n < 0 removes the last −n
@@ -49,9 +49,11 @@ class KVSlab(DynamicLayer):
         self.device, self.is_initialized = key_states.device, True
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        """Slabs of `capacity` positions shaped like `keys`/`values`, holding the live rows of the old ones."""
-        slab_k = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
-        slab_v = values.new_zeros(*values.shape[:2], capacity, values.shape[-1])
+        """Slabs of `capacity` positions shaped like `keys`/`values`, holding the live rows of the old ones;
+        zeroed under an owner, whose attention reads the whole slab."""
+        new = torch.zeros if self.owner is not None else torch.empty
+        slab_k = new(*keys.shape[:2], capacity, keys.shape[-1], dtype=keys.dtype, device=keys.device)
+        slab_v = new(*values.shape[:2], capacity, values.shape[-1], dtype=values.dtype, device=values.device)
         if self.slab_k is not None and self.length:
             slab_k[:, :, : self.length] = self.slab_k[:, :, : self.length]
             slab_v[:, :, : self.length] = self.slab_v[:, :, : self.length]

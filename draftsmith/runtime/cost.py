@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan
+from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan, TreePolicy
 
 
 class CostMeter:
@@ -200,7 +200,7 @@ class TreeCostMeter:
 
 
 @dataclass
-class TreeCost(Policy, TreePlan):
+class TreeCost(TreePolicy):
     """`--policy cost` with `--tree`: every round's tree is sized by what its nodes are expected to
     buy. The tree shape gives the most it may draft (depth, top-k, nodes); within it a round
 
@@ -224,13 +224,11 @@ class TreeCost(Policy, TreePlan):
     def keep_going(self, step: DraftStep) -> bool:
         return False
 
-    decides_depth = True
-
     def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
         """This policy, its verification forwards timed at the first round (rows 0 to `most`)."""
         if not self.meter.verify:
             self.meter.calibrate(verify_seconds, [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
-        return self
+        return super().plan_tree(most, verify_seconds)
 
     def _best(self, values: list[float], draft_seconds: float) -> tuple[int, float]:
         """(n, rate) for the n ≥ 1 best of `values` (sorted, largest first) with the highest expected

@@ -21,7 +21,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC
 from draftsmith.runtime.cost import CostAware
-from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan
+from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePolicy
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Oracle(Policy):
 
 
 @dataclass
-class AcceptanceStop(Policy, TreePlan):
+class AcceptanceStop(TreePolicy):
     """SpecDec++: stop once the predicted chance that some drafted token is rejected exceeds `threshold`.
 
     The acceptance head reads the drafter's hidden state that drafted token i and predicts a_i, its
@@ -151,11 +151,6 @@ class AcceptanceStop(Policy, TreePlan):
         self.accepted *= self.head.acceptance(step.hidden, step.q_raw, step.position)
         return 1 - self.accepted <= self.threshold
 
-    decides_depth = True
-
-    def plan_tree(self, most: int, verify_seconds: Any) -> TreePlan:
-        return self
-
     @torch.no_grad()
     def expand(self, level: TreeLevel) -> bool:
         """Trees: draft the next level while the chain's rule holds for the best node it would expand,
@@ -175,7 +170,7 @@ class AcceptanceStop(Policy, TreePlan):
 
 
 @dataclass
-class ClassifierStop(Policy, TreePlan):
+class ClassifierStop(TreePolicy):
     """DISCO: keep drafting while the stop classifier's confidence in the last drafted token stays at or
     above `threshold`, at most k (SL_max) tokens. The classifier reads the distribution the token was
     drawn from (its top-k probabilities and entropy) and the token's position in the round."""
@@ -193,11 +188,6 @@ class ClassifierStop(Policy, TreePlan):
         if step.position == 0:
             return self.k > 0
         return step.position < self.k and self.head.confidence(step.q_raw, step.position) >= self.threshold
-
-    decides_depth = True
-
-    def plan_tree(self, most: int, verify_seconds: Any) -> TreePlan:
-        return self
 
     def expand(self, level: TreeLevel) -> bool:
         """Trees: draft the next level while the best node it would expand passes the chain's rule (the

@@ -1,6 +1,6 @@
 """What a draft-length policy sees and answers (`runtime/policies.py` holds the policies): the draft so far
-(`DraftStep`), a tree round before its next level (`TreeLevel`), the `Policy` base class and the plan of a
-tree round (`TreePlan`)."""
+(`DraftStep`), a tree round before its next level (`TreeLevel`), the `Policy` base class, the plan of a
+tree round (`TreePlan`) and the policies that plan their own (`TreePolicy`)."""
 
 from __future__ import annotations
 
@@ -92,3 +92,12 @@ class Policy:
         """The plan of a tree round of at most `most` rows; `verify_seconds(n)` times a verification
         forward of n rows (for a policy that prices them)."""
         return WHOLE_TREE
+
+
+class TreePolicy(Policy, TreePlan):
+    """A policy that is its own tree plan and decides each round's depth (the stop heads, the cost policy)."""
+
+    decides_depth = True
+
+    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
+        return self
