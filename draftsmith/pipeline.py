@@ -59,19 +59,16 @@ def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
     return sorted(set(layer_ids) | set(data.get("layer_ids") or []))
 
 
-def _check_feature_source(out: Path, data: dict[str, Any], recipe: Path) -> None:
-    """Refuse a feature directory made from other chats than the recipe's (source, limit, max_length): it
-    would resume or be reused as if it were the recipe's. (`fit` checks the target's identity itself.)"""
-    import json
+def _check_feature_source(out: Path, chats: dict[str, Any], recipe: Path) -> None:
+    """Refuse a feature directory made from other chats than the recipe's `chats` (data, limit,
+    max_length): it would resume or be reused as if it were the recipe's. (`fit` checks the target.)"""
+    from draftsmith.data.shards import recorded
 
-    from draftsmith.data.shards import RUN_FILE
-
-    if not (out / RUN_FILE).is_file():
+    source = recorded(out, "data")
+    if source is None:
         return
-    run = json.loads((out / RUN_FILE).read_text())
-    wanted = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
-    held = {"data": run["data"]["source"], "limit": run["data"]["limit"], "max_length": run["max_length"]}
-    diffs = [f"{k}: {held[k]!r} there, {wanted[k]!r} in the recipe" for k in wanted if held[k] != wanted[k]]
+    held = {"data": source["source"], "limit": source["limit"], "max_length": recorded(out, "max_length")}
+    diffs = [f"{k}: {held[k]!r} there, {chats[k]!r} in the recipe" for k in chats if held[k] != chats[k]]
     if diffs:
         raise DraftsmithError(f"{out} holds features of other chats ({'; '.join(diffs)}): set {recipe}'s "
                               f"data.init_args.features_dir to a new directory, or delete {out}")
@@ -96,7 +93,8 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     if "features_dir" not in data:
         return
     out = Path(data["features_dir"])
-    _check_feature_source(out, data, recipe)
+    chats = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
+    _check_feature_source(out, chats, recipe)
     needed, held = _layers_needed(model, data), None
     if (out / MANIFEST_FILE).is_file():
         held = read_manifest(out)["layer_ids"]
@@ -112,8 +110,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
             shutil.rmtree(dest)  # a killed re-extraction for other layers: it cannot resume
         console.print(f"{out} holds layers {held}; {recipe} needs {needed}: extracting layers {layer_ids} into "
                       f"{dest}, which replaces it once complete")
-    manifest = extract(ExtractConfig(target=model["target"], data=data.get("data", "sharegpt"), out=str(dest),
-                                     layer_ids=layer_ids, max_length=data.get("max_length", 2048), limit=data.get("limit")))
+    manifest = extract(ExtractConfig(target=model["target"], out=str(dest), layer_ids=layer_ids, **chats))
     if dest != out:
         shutil.rmtree(out)
         dest.rename(out)

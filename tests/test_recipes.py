@@ -61,15 +61,15 @@ def test_recipe_instantiates(path, tmp_path):
     assert [type(lg).__name__ for lg in cli.trainer.loggers] == ["CSVLogger"]
     assert "logger" not in raw["trainer"]  # the logger follows default_root_dir, named nowhere
     assert cli.trainer.logger.save_dir == str(tmp_path)  # --trainer.default_root_dir moves logs and checkpoints
-    if True:  # the recipe's checkpoints, or the base recipe's
-        ckpt = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint")
-        # drafters keep the best simulated acceptance length; stop heads the lowest validation loss
-        heads = raw["model"]["class_path"].endswith("StopHeadModule")
-        assert (ckpt.monitor, ckpt.mode) == (("val/loss", "min") if heads else ("val/tau", "max"))
-        # last.ckpt follows the steps (a monitored save_last writes it only when the top-k changes)
-        kept = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"]
-        assert [bool(cb.save_last) for cb in kept] == [False, True]
-        assert kept[1].monitor is None and kept[1]._every_n_train_steps > 0 and kept[1].save_top_k == 0
+    # the recipe's checkpoints, or the base recipe's
+    ckpt = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint")
+    # drafters keep the best simulated acceptance length; stop heads the lowest validation loss
+    heads = raw["model"]["class_path"].endswith("StopHeadModule")
+    assert (ckpt.monitor, ckpt.mode) == (("val/loss", "min") if heads else ("val/tau", "max"))
+    # last.ckpt follows the steps (a monitored save_last writes it only when the top-k changes)
+    kept = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"]
+    assert [bool(cb.save_last) for cb in kept] == [False, True]
+    assert kept[1].monitor is None and kept[1]._every_n_train_steps > 0 and kept[1].save_top_k == 0
     strategy = build_strategy(raw["trainer"].get("strategy", "auto"))
     spec = raw["trainer"].get("strategy")
     if isinstance(spec, dict) and "FSDP" in spec["class_path"]:

@@ -320,9 +320,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                                     "load_average": [load_before, _load_average()]}
     busy = max((x for x in machine["load_average"] if x is not None), default=0.0)
-    for point in points:  # arms timed while other work shared the CPU: their ratio is not this machine's
-        point["speed"]["valid"] = busy <= machine["threads"] + 1
-    if busy > machine["threads"] + 1:
+    shared = busy > machine["threads"] + 1  # other work on the CPU: the arms' ratio is not this machine's
+    for point in points:
+        point["speed"]["valid"] = not shared
+    if shared:
         console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
                       "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")
     return results

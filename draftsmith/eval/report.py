@@ -30,6 +30,11 @@ def quality_line(quality: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def speedup_cell(speedup: float, valid: bool, style: str = "") -> str:
+    """A speedup as the tables print it; struck as not valid when other work shared the CPU while it was timed."""
+    return f"{style}{speedup:.2f}x" if valid else f"[red]({speedup:.2f}x) not valid"
+
+
 def sweep_table(results: dict[str, Any]) -> Any:
     """One row per alpha of a --sweep, with the target alone and the drafter alone where measured."""
     from rich.table import Table
@@ -55,8 +60,7 @@ def sweep_table(results: dict[str, Any]) -> Any:
         q, speed = point["quality"], point["speed"]
         rouge = q.get("rouge_l", {}).get("method")
         t.add_row(f"{point['alpha']:g}", f"{point['acceptance']['tau']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
-                  f"{speed['speedup']:.2f}x" if speed.get("valid", True) else f"[red]({speed['speedup']:.2f}x) not valid",
-                  f"{1 / speed['speedup']:.2f}", *ref_cells(q.get("reference")),
+                  speedup_cell(speed["speedup"], speed.get("valid", True)), f"{1 / speed['speedup']:.2f}", *ref_cells(q.get("reference")),
                   f"{rouge:.3f}" if rouge is not None else "–",
                   f"{q['agreement']:.0%}" if "agreement" in q else "–")
     if "drafter" in ends:
@@ -78,16 +82,12 @@ def table(results: dict[str, Any]) -> Any:
     for col in ("category", "prompts", "τ (with bonus)", "mean accepted", "tok/s", "AR tok/s", "speedup"):
         t.add_column(col, justify="right" if col != "category" else "left")
     valid = speed.get("valid", True)  # False: other work shared the CPU while the arms were timed
-
-    def ratio(x: float, bold: str = "") -> str:
-        return f"{bold}{x:.2f}x" if valid else f"[red]({x:.2f}x) not valid"
-
     for cat, c in results["per_category"].items():
         t.add_row(cat, str(c["prompts"]), f"{c['tau']:.2f}", f"{c['mean_accepted']:.2f}",
-                  f"{c['tokens_per_second']:.1f}", f"{c['autoregressive_tokens_per_second']:.1f}", ratio(c["speedup"]))
+                  f"{c['tokens_per_second']:.1f}", f"{c['autoregressive_tokens_per_second']:.1f}", speedup_cell(c["speedup"], valid))
     t.add_row("[bold]all", str(sum(c["prompts"] for c in results["per_category"].values())), f"[bold]{acc['tau']:.2f}",
               f"{acc['mean_accepted']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
-              f"{speed['autoregressive']['tokens_per_second']:.1f}", ratio(speed["speedup"], "[bold]"))
+              f"{speed['autoregressive']['tokens_per_second']:.1f}", speedup_cell(speed["speedup"], valid, "[bold]"))
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
     lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
     sized = "sized by cost within " if results["config"].get("policy") == "cost" else ""

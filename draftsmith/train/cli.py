@@ -84,8 +84,10 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
 
 def _base_recipe(run: bool) -> dict[str, Any]:
     """LightningCLI's parser arguments that read BASE_RECIPE first: the subcommands' parsers when it runs one."""
+    from pytorch_lightning.cli import LightningCLI
+
     base = {"default_config_files": [str(BASE_RECIPE)]}
-    return {command: base for command in ("fit", "validate", "test", "predict")} if run else base
+    return {command: base for command in LightningCLI.subcommands()} if run else base
 
 
 def _data_online(data: Any) -> bool:
