@@ -67,7 +67,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.eval.evaluate import oracle_references, parse_tree
+    from draftsmith.eval.evaluate import oracle_references
+    from draftsmith.runtime.tree import TreeShape
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.loading import STOP_HEADS, native_config_path, tuned_key, tuned_settings
     from draftsmith.runtime.loading import load_proposer, load_stop_head
@@ -104,7 +105,7 @@ def main() -> None:
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
         return chosen
 
-    shape = parse_tree(args.tree)
+    shape = TreeShape.parse(args.tree)
     static = STATIC if shape is None else [f"tree{d}" for d in range(1, shape.depth + 1)]
 
     def head_arm(kind: str, mode: str) -> tuple:

@@ -241,7 +241,7 @@ def main() -> None:
                     help="also decode this many tokens with generate (plain, first chain, first tree): the loop's share")
     args = ap.parse_args()
 
-    from draftsmith.eval.evaluate import parse_tree
+    from draftsmith.runtime.tree import TreeShape
     from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import DTYPES, load_target
     from draftsmith.runtime.generate import generate
@@ -278,7 +278,7 @@ def main() -> None:
     prompt = torch.randint(1000, target.vocab_size, (args.context,)).tolist()
     sampling = SamplingConfig(temperature=args.temperature)
     shapes = [(f"chain {k}", k) for k in (int(x) for x in args.chains.split(",") if x)]
-    shapes += [(f"tree {spec}", parse_tree(spec)) for spec in args.trees]
+    shapes += [(f"tree {spec}", TreeShape.parse(spec)) for spec in args.trees]
     failures: list[str] = []
     replays: dict[str, float] = {}
     loops: dict[str, list[tuple[str, float, float]]] = {}  # arm → (shape, generate's ms a round, tokens a round)

@@ -51,7 +51,7 @@ def data_stats(cfg: DataStatsConfig) -> None:
     if cfg.target is not None:
         from draftsmith.models.target import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
         skipped, truncated, audit = Counter(), Counter(), MaskAudit()
         tokenize_many(tokenizer, convs, cfg.max_length, skipped, truncated, audit)
         stats["tokenized"] = {

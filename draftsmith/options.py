@@ -19,12 +19,16 @@ class TargetOptions:
             command's kind of work, measured and printed; a resumed run keeps the type it started with).
         device: cpu, cuda, cuda:1, ...
         trust_remote_code: allow a hub model's own code to run.
+        chat_template: the chat template to render chats with, in place of the tokenizer's own (a base
+            model has none): a .jinja file, or a template draftsmith ships: chatml, gemma, llama3. Every
+            stage of one drafter must use the same (it is part of the target's identity).
     """
 
     target: str
     dtype: str = "auto"
     device: str = "cpu"
     trust_remote_code: bool = False
+    chat_template: str | None = None
 
 
 @dataclass(kw_only=True)

@@ -40,7 +40,7 @@ def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, optio
 
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
     decode = {f.name: getattr(options, f.name) for f in fields(DecodeOptions)}
-    return EvalConfig(target=model["target"], drafter=drafter, data=data.get("data", "sharegpt"),
+    return EvalConfig(target=model["target"], chat_template=model.get("chat_template"), drafter=drafter, data=data.get("data", "sharegpt"),
                       val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out,
                       max_prompt_length=data.get("max_length"), **decode)
 
@@ -110,7 +110,8 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
             shutil.rmtree(dest)  # a killed re-extraction for other layers: it cannot resume
         console.print(f"{out} holds layers {held}; {recipe} needs {needed}: extracting layers {layer_ids} into "
                       f"{dest}, which replaces it once complete")
-    manifest = extract(ExtractConfig(target=model["target"], out=str(dest), layer_ids=layer_ids, **chats))
+    manifest = extract(ExtractConfig(target=model["target"], chat_template=model.get("chat_template"), out=str(dest),
+                                     layer_ids=layer_ids, **chats))
     if dest != out:
         shutil.rmtree(out)
         dest.rename(out)

@@ -17,6 +17,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import Conversation
+from draftsmith.models.tokenizer import template_names
 
 
 @dataclass
@@ -59,9 +60,9 @@ def tokenize_chat(tokenizer: Any, conv: Conversation, max_length: int) -> tuple[
     if getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise DraftsmithError(
-            f"the tokenizer of {name} has no chat template (a base model?), so no chat can be rendered: give it "
-            "one, as `chat_template.jinja` beside its tokenizer files (or `chat_template` in tokenizer_config.json), "
-            "e.g. the template of the instruct model of its family")
+            f"the tokenizer of {name} has no chat template (a base model?), so no chat can be rendered: give one "
+            f"with --chat_template FILE.jinja or the name of a template draftsmith ships ({', '.join(template_names())}; "
+            "in a recipe: model.init_args.chat_template), e.g. the template of its family's instruct model")
     try:
         text, spans = assistant_spans(tokenizer, conv.messages)
     except TemplateNotPrefixStable:

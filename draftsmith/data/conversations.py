@@ -77,11 +77,14 @@ class DataStatsConfig(ChatOptions):
         target: a target (embedded alias, .gguf, model directory or hub id) whose tokenizer to use.
         json: print exactly one JSON object on stdout instead of tables.
         trust_remote_code: allow a hub tokenizer's own code to run.
+        chat_template: a chat template in place of the tokenizer's own (a base model has none): a .jinja
+            file, or a template draftsmith ships: chatml, gemma, llama3.
     """
 
     target: str | None = None
     json: bool = False
     trust_remote_code: bool = False
+    chat_template: str | None = None
 
 
 VAL_FRACTION = 0.05  # the default share of conversations held out for validation (and `--prompts heldout`)

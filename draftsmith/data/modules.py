@@ -150,11 +150,13 @@ class FeatureDataModule(_LengthBatched):
         data: the chat source, for that hint.
         max_length: the max length, for that hint.
         limit: the conversation limit, for that hint.
+        chat_template: the target's chat template, for that hint (the CLI links it from the model's).
     """
 
     def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = VAL_FRACTION,
                  max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
-                 target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None):
+                 target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
+                 chat_template: str | None = None):
         super().__init__()
         self.features_dir, self.layer_ids = features_dir, list(layer_ids or [])
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
@@ -231,15 +233,17 @@ class ChatDataModule(_LengthBatched):
         max_batch_size: records per batch at most.
         num_workers: DataLoader worker processes.
         seed: shuffling seed.
+        chat_template: the chat template in place of the tokenizer's own (the CLI links it from the model's).
     """
 
     online = True
 
     def __init__(self, target: str, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
                  val_fraction: float = VAL_FRACTION, max_tokens: int = 16384, max_batch_size: int = 64,
-                 num_workers: int = 0, seed: int = 0):
+                 num_workers: int = 0, seed: int = 0, chat_template: str | None = None):
         super().__init__()
         self.target, self.data, self.max_length, self.limit = target, data, max_length, limit
+        self.chat_template = chat_template
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
         self.dataset = None
@@ -254,7 +258,7 @@ class ChatDataModule(_LengthBatched):
         from draftsmith.data.conversations import load_conversations
         from draftsmith.models.target import load_tokenizer
 
-        tokenizer = load_tokenizer(self.target)
+        tokenizer = load_tokenizer(self.target, chat_template=self.chat_template)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         convs, _ = load_conversations(self.data, limit=self.limit)
         audit = MaskAudit()

@@ -143,7 +143,9 @@ class DecodeOptions(SamplingOptions):
 
     def tree_shape(self) -> Any:
         """The TreeShape --tree asks for, or None for chain drafts."""
-        return parse_tree(self.tree, self.lookup)
+        from draftsmith.runtime.tree import TreeShape
+
+        return TreeShape.parse(self.tree, self.lookup)
 
 
 @dataclass(kw_only=True)
@@ -152,6 +154,7 @@ class EvalConfig(DecodeOptions):
 
     Args:
         target: the target model.
+        chat_template: a chat template in place of the target tokenizer's own (as the drafter's training had).
         drafter: a native export directory (`draftsmith export --format native`); omit for autoregressive only.
         data: the chats whose validation split `--prompts heldout` evaluates on.
         val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
@@ -161,6 +164,7 @@ class EvalConfig(DecodeOptions):
     """
 
     target: str
+    chat_template: str | None = None
     drafter: str | None = None
     data: str = "sharegpt"
     val_fraction: float = VAL_FRACTION
@@ -197,19 +201,6 @@ def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[l
         return lambda prompt: make_policy("oracle", reference=references[tuple(prompt)][0],
                                           drafts=references[tuple(prompt)][1], **args)
     return lambda prompt: make_policy(cfg.policy, **args)
-
-
-def parse_tree(tree: str | None, lookup: int = 0) -> Any:
-    """--tree DEPTH,TOPK,TOKENS as a TreeShape (None: chain drafts)."""
-    from draftsmith.runtime.tree import TreeShape
-
-    if tree is None:
-        return None
-    try:
-        depth, topk, total = (int(x) for x in str(tree).strip("[]() ").split(","))
-    except ValueError:
-        raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {tree!r}") from None
-    return TreeShape(depth, topk, total, lookup)
 
 
 def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
@@ -250,7 +241,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     if cfg.mode != "exact" and cfg.drafter is None:
         raise DraftsmithError(f"--mode {cfg.mode} verifies a drafter's tokens: give --drafter")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs (checked in DecodeOptions)
         runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=bool(cfg.compile))

@@ -82,9 +82,9 @@ class TuneConfig(TargetOptions, SamplingOptions):
         self.tree_shape()  # a malformed --tree stops here
 
     def tree_shape(self) -> Any:
-        from draftsmith.eval.evaluate import parse_tree
+        from draftsmith.runtime.tree import TreeShape
 
-        return parse_tree(self.tree)
+        return TreeShape.parse(self.tree)
 
     def grid(self) -> list[tuple[float, int]]:
         """(threshold, maximum length) pairs tried."""
@@ -142,7 +142,8 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.runtime.sampling import SamplingConfig
 
     console = console or Console(stderr=True)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                         chat_template=cfg.chat_template)
     proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
     head, section = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)

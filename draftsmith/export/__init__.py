@@ -112,7 +112,7 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
         return _compare(a, b, atol, out)
     from draftsmith.models.target import load_target
 
-    target = load_target(module.hparams.target, dtype="float32")
+    target = load_target(module.hparams.target, dtype="float32", chat_template=module.hparams.get("chat_template"))
     if fmt == "native":
         drafter = load_native(out, target)
     else:

@@ -25,7 +25,7 @@ from draftsmith.models.registry import EAGLE3
 def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
     """What `speculators_config.verifier.name_or_path` should say: `verifier` when given (checked
     against the drafter's target where it is a local directory), else the target's local directory."""
-    from draftsmith.models.target import resolve_source
+    from draftsmith.models.sources import resolve_source
 
     if verifier is None:
         if identity.get("adapter"):

@@ -128,7 +128,7 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
         else:  # the chains' token d−1 after each prefix, fed to the target
             chained = per_depth[d - 2]["token_greedy" if chain == "greedy" else "token_sampled"]
             hidden = feed_chains(runner.decoder, runner.cache, chained.to(at.device), at, len(ids), d - 1, runner.gqa)
-            p = torch.softmax(runner.head(hidden).float(), -1)
+            p = torch.softmax(runner.logits(hidden).float(), -1)
         row = per_depth[d - 1]
         g, s = row["token_greedy"].to(p.device), row["token_sampled"].to(p.device)
         row["p_greedy"] = p.gather(-1, g[:, None])[:, 0].cpu()
@@ -169,7 +169,8 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     convs, _ = load_conversations(cfg.data, limit=cfg.limit)
     # labels stand for decoding's decisions, so they take the type decoding takes here; a resumed run keeps its own
     dtype = resolve_dtype(cfg.dtype, cfg.device, "decode", recorded(out, "dtype"))
-    target = load_target(cfg.target, dtype=dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    target = load_target(cfg.target, dtype=dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                         chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if not proposer.drafts:
         raise DraftsmithError("--drafter: labels need a drafter export")

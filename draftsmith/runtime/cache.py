@@ -107,12 +107,15 @@ class KVSlab(DynamicLayer):
 
 
 def decoding_cache(config: Any, preallocated: bool = True, capacity: int = DEFAULT_CAPACITY) -> DynamicCache:
-    """A transformers DynamicCache for `config`; `preallocated`: its full-attention layers are
-    `KVSlab`s (sliding-window and other special layers stay as transformers makes them)."""
+    """A transformers DynamicCache for `config` whose attention layers, sliding-window ones included,
+    keep every position: `KVSlab`s (`preallocated`), else transformers' own DynamicLayer. A sliding
+    window is then the attention mask's business alone (the model's own masks for chains,
+    runtime/tree.py's windowed masks for trees): transformers' sliding layers drop what falls out of the
+    window and cannot roll a rejected draft back past it. Other special layers (recurrent states) stay
+    as transformers makes them."""
     cache = DynamicCache(config=config)
-    if not preallocated:
-        return cache
-    cache.layers = [KVSlab(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    full = (lambda: KVSlab(capacity)) if preallocated else DynamicLayer
+    cache.layers = [full() if isinstance(layer, DynamicLayer) else layer for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # no config: layers are made as the model asks
-        cache.layer_class_to_replicate = KVSlab
+        cache.layer_class_to_replicate = KVSlab if preallocated else DynamicLayer
     return cache

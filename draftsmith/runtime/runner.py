@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import cache_kwargs, grouped_query_sdpa
+from draftsmith.models.common import cache_kwargs, grouped_query_sdpa, logit_softcap, soft_cap
 from draftsmith.models.target import capture_hidden_states
 from draftsmith.runtime.cache import DEFAULT_CAPACITY, decoding_cache
 from draftsmith.runtime.kernels import DecodeAttention, PackedLinears
-from draftsmith.runtime.tree import DraftTree, tree_attention_mask
+from draftsmith.runtime.tree import DraftTree, tree_attention_masks
 
 
 COMPILE_MODES = {True: "cached", "cached": "cached", "frozen": "frozen"}  # TargetRunner(compile=...)
@@ -31,6 +31,8 @@ class TargetRunner:
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
+        self.text_config = model.config.get_text_config()
+        self.softcap = logit_softcap(self.text_config)  # Gemma 2's: the logits the target's own forward returns
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.cache = None
         # grouped-query attention without copying K/V per head group (see grouped_query_sdpa); on a
@@ -98,8 +100,9 @@ class TargetRunner:
         if tree is not None:
             cached = self.cached()
             depth = torch.cat([tree.depth.new_zeros(1), tree.depth]).to(self.device)
-            mask = tree_attention_mask(tree, cached, None if self.bool_masks else self.head.weight.dtype)
-            extra = {"attention_mask": mask.to(self.device), "position_ids": (cached + depth)[None]}
+            mask = tree_attention_masks(tree, cached, self.text_config, None if self.bool_masks else self.head.weight.dtype)
+            mask = {k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict) else mask.to(self.device)
+            extra = {"attention_mask": mask, "position_ids": (cached + depth)[None]}
         return self.decode(ids, last_logits, **extra)
 
     def decode(self, ids: torch.Tensor, last_logits: bool = False,
@@ -112,10 +115,14 @@ class TargetRunner:
             out = self.decoder_call(input_ids=ids, use_cache=True, **cache_kwargs(self.decoder, self.cache),
                                     output_hidden_states=captured.fallback, **extra)
             final = out.last_hidden_state[0]
-            logits = self.head(final[-1:] if last_logits else final)
+            logits = self.logits(final[-1:] if last_logits else final)
         hidden = captured.collect(out)
         aux = torch.cat([hidden[i][0] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return logits, final, aux
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's logits from its final features: its head, then its logit soft-cap if it has one."""
+        return soft_cap(self.head(final), self.softcap)
 
     def rollback(self, remove: int) -> None:
         if remove > 0:

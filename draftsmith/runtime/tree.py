@@ -53,6 +53,17 @@ class TreeShape:
         if self.lookup < 0:
             raise DraftsmithError(f"prompt lookup takes a number of tokens >= 0 (0: off), got {self.lookup}")
 
+    @classmethod
+    def parse(cls, tree: str | None, lookup: int = 0) -> "TreeShape | None":
+        """--tree DEPTH,TOPK,TOKENS as a TreeShape (None: chain drafts)."""
+        if tree is None:
+            return None
+        try:
+            depth, topk, total = (int(x) for x in str(tree).strip("[]() ").split(","))
+        except ValueError:
+            raise DraftsmithError(f"--tree takes DEPTH,TOPK,TOKENS (e.g. 5,8,32), got {tree!r}") from None
+        return cls(depth, topk, total, lookup)
+
 
 @dataclass
 class DraftTree:
@@ -105,18 +116,47 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """Mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]: every row sees
-    the cache and the root; node rows see their ancestors and themselves. Boolean (True: attend;
-    what SDPA takes as it is) when `dtype` is None, else additive (`additive_mask`)."""
+    the cache and the root; node rows see their ancestors and themselves. With a sliding `window`
+    (a layer that attends to the last `window` positions, as transformers' sliding masks do), a row at
+    position P sees only keys at positions above P − window; a node's position is cached + its depth.
+    Boolean (True: attend; what SDPA takes as it is) when `dtype` is None, else additive (`additive_mask`)."""
     n = len(tree)
     device = tree.tokens.device
     allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=device)
     allowed[0, cached + 1:] = False
     allowed[1:, cached + 1:] = ancestor_matrix(tree.parents)
+    if window is not None:
+        query = cached + torch.cat([tree.depth.new_zeros(1), tree.depth]).to(device)  # (n+1,) positions
+        key = torch.cat([torch.arange(cached, device=device), query])  # (cached+n+1,)
+        allowed &= (query[:, None] - key[None, :]) < window
     if dtype is None:
         return allowed[None, None]
     return additive_mask(allowed, dtype)[None, None]
+
+
+def sliding_window(config) -> tuple[int | None, bool]:
+    """(window, by layer type) of a target config: the window its sliding layers attend over (None: no
+    sliding layer) and whether the model takes one mask per layer type (`layer_types`: Gemma 3, gpt-oss,
+    Qwen 2/3) or one mask for every layer (Mistral, Phi-3: a single `sliding_window`)."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types:
+        return (window if "sliding_attention" in types else None), True
+    return window, False
+
+
+def tree_attention_masks(tree: DraftTree, cached: int, config, dtype: torch.dtype | None = None):
+    """What a target's decoder takes as the tree's attention mask: `tree_attention_mask`, windowed for
+    sliding layers: one tensor, or a mapping layer type → mask for models that mask by layer type."""
+    window, by_type = sliding_window(config)
+    full = tree_attention_mask(tree, cached, dtype)
+    if window is None:
+        return full
+    windowed = tree_attention_mask(tree, cached, dtype, window)
+    return {"full_attention": full, "sliding_attention": windowed} if by_type else windowed
 
 
 def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor,

@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import frozen_linear
+from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import STANDALONE
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
@@ -40,6 +40,7 @@ class DistillModule(pl.LightningModule):
         warmup_steps: linear warm-up steps, then cosine decay to min_lr_ratio * lr.
         min_lr_ratio: final learning rate as a fraction of lr.
         target_dtype: dtype the target is loaded in.
+        chat_template: a chat template in place of the target tokenizer's own (as `--chat_template`).
         online: the data holds no features: run the frozen target inside each step (the CLI links it
             from the DataModule's `online`).
         count_tokens: vocabulary size → the training data's assistant-token counts, kept with the
@@ -51,7 +52,7 @@ class DistillModule(pl.LightningModule):
                  layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None,
                  chain_length: int = 4,
                  lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 target_dtype: str = "float32", online: bool = False,
+                 target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
@@ -68,9 +69,10 @@ class DistillModule(pl.LightningModule):
             return
         from draftsmith.models.standalone import add_lora, build_standalone
 
-        target, self.identity = load_frozen_target(self.hparams.target, self.hparams.target_dtype)
+        target, self.identity = load_frozen_target(self.hparams)
         self.aux_layer_ids: list[int] = []
         self.target_head = frozen_linear(target.lm_head.weight.detach())
+        self.softcap = logit_softcap(target.config)
         student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape, self.hparams.layer_ids)
         self.student = add_lora(student, self.hparams.lora_rank) if self.hparams.lora_rank else student
         if self.online:
@@ -111,7 +113,7 @@ class DistillModule(pl.LightningModule):
                 final, _ = self._target.features(batch["input_ids"], batch["attention_mask"].long())
             else:
                 raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
-            return self.target_head(final[:, :-1][sel].to(self.target_head.weight.dtype))
+            return soft_cap(self.target_head(final[:, :-1][sel].to(self.target_head.weight.dtype)), self.softcap)
 
     def _step(self, batch: dict[str, Any], with_metrics: bool) -> torch.Tensor:
         valid = batch["attention_mask"].bool()

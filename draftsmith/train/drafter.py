@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear
+from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
@@ -86,6 +86,8 @@ class DrafterModule(pl.LightningModule):
         min_lr_ratio: final learning rate as a fraction of lr.
         metric_top_k: K for the validation top-K agreement.
         target_dtype: dtype the target is loaded in (online features and the frozen parts).
+        chat_template: the chat template the chats are rendered with, in place of the target tokenizer's
+            own: a .jinja file or a template draftsmith ships (chatml, gemma, llama3); part of the identity.
         online: the data holds no features: run the frozen target inside each step (the CLI links it
             from the DataModule's `online`).
         count_tokens: vocabulary size → the training data's assistant-token counts, for EAGLE-3's draft
@@ -98,7 +100,8 @@ class DrafterModule(pl.LightningModule):
                  topk_weight: float = 0.0, topk: int = 10,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 metric_top_k: int = 5, target_dtype: str = "float32", online: bool = False,
+                 metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
+                 online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         if alignment_steps < 1:
@@ -122,18 +125,18 @@ class DrafterModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.drafter is not None:
             return
-        target, self.identity = load_frozen_target(self.hparams.target, self.hparams.target_dtype)
+        target, self.identity = load_frozen_target(self.hparams)
         head = target.lm_head.weight.detach()
         embed = target.embed_tokens.weight.detach()
         kind = self.kind
         self.aux_layer_ids = target.check_layer_ids(self.hparams.aux_layer_ids or target.default_aux_layer_ids(),
                                                      "model.init_args.aux_layer_ids") \
             if kind.fused_layers else []
-        norm = getattr(target.decoder, "norm", None)
-        self.drafter = kind.model_class.from_target(target.config, embed, head, norm.weight if norm is not None else None,
+        self.drafter = kind.model_class.from_target(target.config, embed, head, target.final_norm_scale(),
                                                     self._draft_ids(target) if kind.pruned_vocab else None,
                                                     len(self.aux_layer_ids), target.hidden_size)
         # the target's full-vocabulary head, for the distillation targets (a shared head is the drafter's own)
+        self.softcap = logit_softcap(target.config)
         self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)
         if self.online:
             self._target = target
@@ -201,7 +204,7 @@ class DrafterModule(pl.LightningModule):
         feats = final[need]  # (M, H)
         rows = self.drafter.draft_to_target
         weight = self.target_head.weight if rows is None else self.target_head.weight[rows]
-        p = torch.softmax((feats.to(weight.dtype) @ weight.T).float(), dim=-1)  # (M, V or Vd)
+        p = torch.softmax(soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float(), dim=-1)  # (M, V or Vd)
         top1 = None
         if with_top1:
             top1 = p.argmax(-1) if rows is None else (feats.to(weight.dtype) @ self.target_head.weight.T).argmax(-1)

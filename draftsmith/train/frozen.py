@@ -15,11 +15,12 @@ import torch
 from draftsmith import DraftsmithError
 
 
-def load_frozen_target(name: str, dtype: str) -> tuple[Any, dict[str, Any]]:
-    """(target, identity as a dict) for the module's `target` and `target_dtype` settings."""
+def load_frozen_target(hparams: Any) -> tuple[Any, dict[str, Any]]:
+    """(target, identity as a dict) for a module's `target`, `target_dtype` and `chat_template` settings."""
     from draftsmith.models.target import load_target
 
-    target = load_target(name, dtype=dtype)
+    target = load_target(hparams.target, dtype=hparams.get("target_dtype", "float32"),
+                         chat_template=hparams.get("chat_template"))
     return target, target.identity.as_dict()
 
 

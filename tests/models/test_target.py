@@ -8,8 +8,8 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.common import quiet_peft
 from draftsmith.models.tokenizer import tokenizer_hash
-from draftsmith.models.target import (gguf_special_token_ids, load_target, load_tokenizer, resolve_embedded, resolve_source,
-                                     set_special_tokens)
+from draftsmith.models.sources import gguf_special_token_ids, resolve_embedded, resolve_source, set_special_tokens
+from draftsmith.models.target import load_target, load_tokenizer
 from tests.conftest import save_tiny_target
 
 

@@ -1,0 +1,155 @@
+"""The family matrix: a tiny random target of each decoder-only family a user brings goes through
+extract → fit → export → eval, and decodes exactly the target's greedy text (fp32), with chains and trees,
+on prompts longer than its sliding window where it has one.
+
+Each target is built from transformers' own config class (no download), on the suite's character
+tokenizer, so it can read the same chats and MT-bench prompts as the tiny Llama."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import make_tokenizer, recipe, run_cli, sample_chats
+
+WINDOW = 12  # the sliding window of the families that have one: every prompt here is longer
+
+
+def family_config(family: str, vocab_size: int):
+    """A two-to-four-layer random config of `family` with the special ids of the suite's tokenizer."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    mixed = ["sliding_attention", "full_attention"] * 2
+    return {
+        "llama": lambda: tf.LlamaConfig(**common, tie_word_embeddings=True),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8, tie_word_embeddings=False),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, decoder_sparse_step=1),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
+                                                   sliding_window=WINDOW, layer_types=mixed,
+                                                   final_logit_softcapping=30.0),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=WINDOW),
+        "phi3": lambda: tf.Phi3Config(**common),
+        "gpt_oss": lambda: tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=WINDOW, layer_types=mixed,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    }[family]()
+
+
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3_text", "mistral", "phi3", "gpt_oss"]
+
+
+def save_family_target(path, family: str):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer))).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def decodes_the_targets_text(target, drafter, out, *args) -> dict:
+    result = run_cli("eval", "--target", str(target), "--drafter", str(drafter), "--limit", "2", "--repeats", "1",
+                     "--max_new_tokens", "24", "--dtype", "float32", "--out", str(out), *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["identical_outputs"] is True  # greedy fp32: exactly the target's text
+    assert results["acceptance"]["rounds"] > 0
+    return results
+
+
+def test_the_prompts_pass_the_sliding_window():
+    from draftsmith.eval.prompts import load_prompts
+
+    tokenizer = make_tokenizer()
+    for prompt in load_prompts("mtbench", limit=2):
+        messages = [{"role": "user", "content": prompt["turns"][0]}]
+        assert len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]) > 4 * WINDOW
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_extracts_trains_exports_and_decodes_its_targets_text(family, tmp_path):
+    from draftsmith.jobs.extract import ExtractConfig, extract
+
+    root = tmp_path / "tiny"
+    target = save_family_target(root / "target", family)
+    (root / "chats.json").write_text(json.dumps(sample_chats(24)))
+    extract(ExtractConfig(target=str(target), data=str(root / "chats.json"), out=str(root / "features"),
+                          layer_ids=[1, 2, 3], max_length=256, batch_tokens=512, dtype="float32",
+                          feature_dtype="float32", shard_size=16))
+    arms = {"eagle3": (dict(kind="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=48), ["native", "eagle3", "speculators"]),
+            "hass": (dict(kind="eagle"), ["native", "eagle"]),
+            "standalone": (None, ["native"])}
+    for arm, (model, formats) in arms.items():
+        here = tmp_path / arm
+        extra = ["--model", "draftsmith.train.distill.DistillModule", "--model.init_args.num_layers", "2"] \
+            if model is None else []
+        fit = run_cli("fit", "--config", str(recipe(root, here, **(model or {}))), "--trainer.max_steps", "2",
+                      "--trainer.val_check_interval", "2", *extra, here=True)
+        assert fit.returncode == 0, (arm, fit.stderr[-3000:])
+        for fmt in formats:
+            done = run_cli("export", str(here / "run" / "ckpt" / "last.ckpt"), "--format", fmt, "--out", str(here / fmt))
+            assert done.returncode == 0, (arm, fmt, done.stderr[-3000:])
+        decodes_the_targets_text(target, here / "native", here / "chain", "--policy", "static", "--k", "3")
+        if model is not None:  # trees: the feature drafters
+            decodes_the_targets_text(target, here / "native", here / "tree", "--tree", "3,2,6", "--policy", "static")
+
+
+def test_a_soft_capped_target_is_decoded_with_its_own_logits(tmp_path):
+    """Gemma's logits are c·tanh(z / c): the runtime's (and so every verification's) law is the model's own."""
+    from draftsmith.runtime.runner import TargetRunner
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_family_target(tmp_path / "t", "gemma3_text")).eval()
+    assert model.config.final_logit_softcapping == 30.0
+    ids = torch.randint(4, 90, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    runner = TargetRunner(model)
+    runner.reset()
+    logits, _, _ = runner.forward(ids[0].tolist())
+    with torch.no_grad():
+        expected = model(ids).logits[0]
+    assert (logits - expected).abs().max() < 1e-4 and expected.abs().max() <= 30.0
+
+
+def test_a_base_model_without_a_chat_template_runs_with_one_given(tmp_path):
+    """A base model (Gemma-3-270M's GGUF) has no template: `data stats` says which option gives one, and a
+    recipe naming one goes through extract, fit and eval with it (it is part of the target's identity, so
+    every stage must render chats alike)."""
+    import yaml
+
+    from tests.conftest import save_tiny_target
+
+    root = tmp_path / "tiny"
+    target = save_tiny_target(root / "target")
+    (target / "chat_template.jinja").unlink()
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "chats.json").write_text(json.dumps(sample_chats(24)))
+    refused = run_cli("data", "stats", "--data", str(root / "chats.json"), "--target", str(target))
+    assert refused.returncode != 0 and "--chat_template FILE.jinja" in refused.stderr
+    stats = run_cli("data", "stats", "--data", str(root / "chats.json"), "--target", str(target),
+                    "--chat_template", "chatml", "--json")
+    assert stats.returncode == 0 and json.loads(stats.stdout)["tokenized"]["kept"] == 24
+
+    path = recipe(root, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=40, chat_template="chatml")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=256)
+    cfg["trainer"]["max_steps"] = 2
+    path.write_text(yaml.safe_dump(cfg))
+    done = run_cli("run", str(path), "--prompts", "heldout", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+                   "--dtype", "float32", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert results["identical_outputs"] is True and results["acceptance"]["rounds"] > 0
+    # without the template the target is another one: the export is refused, naming the part that differs
+    other = run_cli("eval", "--target", str(target), "--drafter", str(tmp_path / "run" / "export-native"),
+                    "--limit", "1", "--max_new_tokens", "4", "--out", str(tmp_path / "other"))
+    assert other.returncode != 0 and "differing: chat_template" in other.stderr
