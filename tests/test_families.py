@@ -44,12 +44,16 @@ def family_config(family: str, vocab_size: int):
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3_text", "mistral", "phi3", "gpt_oss"]
 
 
-def save_family_target(path, family: str):
+def save_family_target(path, family: str, **config):
+    """A random target of `family` (`config` overrides sizes) with the suite's tokenizer, saved to path."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer))).eval()
+    cfg = family_config(family, len(tokenizer))
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -74,28 +78,44 @@ def test_the_prompts_pass_the_sliding_window():
         assert len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]) > 4 * WINDOW
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_extracts_trains_exports_and_decodes_its_targets_text(family, tmp_path):
+EAGLE3 = dict(kind="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=48)
+
+
+def family_features(family: str, root, **config):
+    """A tiny target of `family` under root/target and its features (layers 1-3) of 24 chats; the target's path."""
     from draftsmith.jobs.extract import ExtractConfig, extract
 
-    root = tmp_path / "tiny"
-    target = save_family_target(root / "target", family)
+    target = save_family_target(root / "target", family, **config)
     (root / "chats.json").write_text(json.dumps(sample_chats(24)))
     extract(ExtractConfig(target=str(target), data=str(root / "chats.json"), out=str(root / "features"),
                           layer_ids=[1, 2, 3], max_length=256, batch_tokens=512, dtype="float32",
                           feature_dtype="float32", shard_size=16))
-    arms = {"eagle3": (dict(kind="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=48), ["native", "eagle3", "speculators"]),
+    return target
+
+
+def train_family_drafter(root, here, model: dict | None, *args: str):
+    """Two fit steps of a feature drafter (`model`: DrafterModule settings) or a standalone draft LM (None)
+    on root's features; its last checkpoint."""
+    if model is None:
+        args = ("--model", "draftsmith.train.distill.DistillModule", "--model.init_args.num_layers", "2", *args)
+    fit = run_cli("fit", "--config", str(recipe(root, here, **(model or {}))), "--trainer.max_steps", "2",
+                  "--trainer.val_check_interval", "2", *args, here=True)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    return here / "run" / "ckpt" / "last.ckpt"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_extracts_trains_exports_and_decodes_its_targets_text(family, tmp_path):
+    root = tmp_path / "tiny"
+    target = family_features(family, root)
+    arms = {"eagle3": (EAGLE3, ["native", "eagle3", "speculators"]),
             "hass": (dict(kind="eagle"), ["native", "eagle"]),
             "standalone": (None, ["native"])}
     for arm, (model, formats) in arms.items():
         here = tmp_path / arm
-        extra = ["--model", "draftsmith.train.distill.DistillModule", "--model.init_args.num_layers", "2"] \
-            if model is None else []
-        fit = run_cli("fit", "--config", str(recipe(root, here, **(model or {}))), "--trainer.max_steps", "2",
-                      "--trainer.val_check_interval", "2", *extra, here=True)
-        assert fit.returncode == 0, (arm, fit.stderr[-3000:])
+        ckpt = train_family_drafter(root, here, model)
         for fmt in formats:
-            done = run_cli("export", str(here / "run" / "ckpt" / "last.ckpt"), "--format", fmt, "--out", str(here / fmt))
+            done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(here / fmt))
             assert done.returncode == 0, (arm, fmt, done.stderr[-3000:])
         decodes_the_targets_text(target, here / "native", here / "chain", "--policy", "static", "--k", "3")
         if model is not None:  # trees: the feature drafters
@@ -153,3 +173,17 @@ def test_a_base_model_without_a_chat_template_runs_with_one_given(tmp_path):
     other = run_cli("eval", "--target", str(target), "--drafter", str(tmp_path / "run" / "export-native"),
                     "--limit", "1", "--max_new_tokens", "4", "--out", str(tmp_path / "other"))
     assert other.returncode != 0 and "differing: chat_template" in other.stderr
+
+
+def test_a_standalone_draft_lm_with_a_huge_vocabulary_is_warned_about(monkeypatch):
+    """Gemma's 262k vocabulary made a full standalone fit take 70-90 s a step and 9.5 GB, without a word."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.train import distill
+
+    model = AutoModelForCausalLM.from_config(family_config("gemma3_text", 107))
+    distill.warn_large_vocabulary(model, None)  # 107 tokens: nothing to say
+    monkeypatch.setattr(distill, "LARGE_VOCABULARY_WEIGHTS", 107 * 32)
+    with pytest.warns(UserWarning, match="107-token embedding and head in full .*lora_rank 16"):
+        distill.warn_large_vocabulary(model, None)
+    distill.warn_large_vocabulary(model, 16)  # adapters: the embedding stays frozen

@@ -112,6 +112,15 @@ def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_add
     cfg = yaml.safe_load(other.read_text())
     cfg["data"]["init_args"].update(limit=5, max_length=64)
     other.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(DraftsmithError, match=r"holds features of other chats \(limit: None there, 5 in the recipe; "
-                                              r"max_length: 128 there, 64 in the recipe\)"):
+    with pytest.raises(DraftsmithError, match=r"holds features of other chats or another target \(limit: None there, "
+                                              r"5 in the recipe; max_length: 128 there, 64 in the recipe\)"):
+        ensure_features(other, console)
+    cfg["data"]["init_args"].update(limit=None, max_length=128)  # the same chats, for another target
+    cfg["model"]["init_args"]["target"] = str(save_tiny_target(root / "other-target", seed=1))
+    other.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(DraftsmithError, match=r"another target \(target: '.*/target' there, '.*/other-target' in"):
+        ensure_features(other, console)
+    cfg["model"]["init_args"].update(target=str(root / "target"), chat_template="llama3")  # another template
+    other.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(DraftsmithError, match=r"another target \(the target's tokenizer or chat template"):
         ensure_features(other, console)

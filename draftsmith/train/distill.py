@@ -75,6 +75,7 @@ class DistillModule(pl.LightningModule):
         self.softcap = logit_softcap(target.config)
         student = build_standalone(target.model, self.hparams.num_layers, self.hparams.shape, self.hparams.layer_ids)
         self.student = add_lora(student, self.hparams.lora_rank) if self.hparams.lora_rank else student
+        warn_large_vocabulary(student, self.hparams.lora_rank)
         if self.online:
             self._target = target
 
@@ -156,3 +157,22 @@ class DistillModule(pl.LightningModule):
         h = self.hparams
         return adamw_warmup_cosine(self.student.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
                                    h.min_lr_ratio, h.weight_decay)
+
+
+LARGE_VOCABULARY_WEIGHTS = 50_000_000  # embedding + head weights from which a full standalone fit is slow
+
+
+def warn_large_vocabulary(student: Any, lora_rank: int | None) -> None:
+    """Say so when a fully trained draft LM's embedding and head dwarf its layers (Gemma's 262k vocabulary:
+    2 × 168M weights with their AdamW state, 70-90 s a step and 9.5 GB on a 2-core CPU)."""
+    from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+
+    vocab, hidden = student.get_input_embeddings().weight.shape
+    tied = student.get_output_embeddings().weight is student.get_input_embeddings().weight
+    weights = vocab * hidden * (1 if tied else 2)
+    if lora_rank or weights < LARGE_VOCABULARY_WEIGHTS:
+        return
+    rank_zero_warn(f"the draft LM trains its {vocab:,}-token embedding and head in full ({weights / 1e6:.0f}M weights "
+                   "and their optimizer state, every step): expect slow steps and several GB; "
+                   "--model.init_args.lora_rank 16 trains adapters instead, a feature drafter (eagle3) drafts "
+                   "from a pruned vocabulary")

@@ -13,6 +13,7 @@ speculators = pytest.importorskip("speculators")
 
 from draftsmith.export import export  # noqa: E402
 from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint  # noqa: E402
+from tests.test_families import EAGLE3, FAMILIES, family_features, train_family_drafter  # noqa: E402
 
 
 def package_drafter(directory: Path):
@@ -26,10 +27,23 @@ def package_drafter(directory: Path):
 
 
 def test_the_speculators_package_drafts_what_the_trained_module_drafts(eagle3_ckpt, tmp_path):
-    out = tmp_path / "spec"
-    export(str(eagle3_ckpt), "speculators", str(out))
+    drafts_as_trained(eagle3_ckpt, tmp_path / "spec")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_drafter_loads_in_the_speculators_package(family, tmp_path):
+    """Drafters of every target family are Llama-layout layers of the target's sizes (head_dim apart from
+    hidden/heads, the MoE target's dense width, no biases): the package builds each from the config alone."""
+    family_features(family, tmp_path / "tiny")
+    drafts_as_trained(train_family_drafter(tmp_path / "tiny", tmp_path / "fit", EAGLE3), tmp_path / "spec")
+
+
+def drafts_as_trained(ckpt, out):
+    """Export `ckpt` for the speculators package and check that one drafting step of the package's model
+    gives the trained module's logits (1e-4) and draft tokens."""
+    export(str(ckpt), "speculators", str(out))
     model = package_drafter(out)
-    module = module_from_checkpoint(load_checkpoint(eagle3_ckpt))
+    module = module_from_checkpoint(load_checkpoint(ckpt))
     reference = module.drafter.float().eval()
     assert torch.equal(model.embed_tokens.weight, reference.embed_tokens.weight.float())
 
