@@ -19,7 +19,9 @@ are token-for-token identical, and both tokens/s (the same prompts, one at a tim
     python benchmarks/engine_parity.py --drafter DIR [--drafter DIR2] [--limit 20] [--k 3]
                                        [--max-new-tokens 256] [--compile]
 
-Ends with one `RESULT format=... tau_vllm=... tau_draftsmith=... identical=...` line per format.
+Ends with one `RESULT format=... tau_vllm=... tau_draftsmith=... identical=...` line per format, or
+`RESULT format=... vllm_refused="..."` with the engine's own words where vLLM refuses the drafter or its
+target (vLLM 0.32 captures no EAGLE-3 features from a Gemma 3 target).
 """
 
 from __future__ import annotations
@@ -114,9 +116,10 @@ def vllm_arm(fmt: str, export_dir: Path, target_dir: str, prompts: list[list[int
     with open(work / f"vllm-{fmt}.log", "w") as log:
         done = subprocess.run([str(ENGINES_PYTHON), __file__, "--vllm-worker", str(work / f"job-{fmt}.json")],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
-    if done.returncode != 0:
-        tail = (work / f"vllm-{fmt}.log").read_text()[-3000:]
-        raise SystemExit(f"vLLM failed on the {fmt} export (log: {work / f'vllm-{fmt}.log'}):\n{tail}")
+    if done.returncode != 0:  # the engine's own refusal: the first error it names
+        log = (work / f"vllm-{fmt}.log").read_text()
+        errors = [line.split("] ", 1)[-1] for line in log.splitlines() if "Error: " in line and "File " not in line]
+        return {"refused": errors[0] if errors else log[-500:], "log": str(work / f"vllm-{fmt}.log")}
     result = json.loads(Path(job["out"]).read_text())
     c = result["counters"]
     drafts = c["vllm:spec_decode_num_drafts"]
@@ -175,6 +178,11 @@ def main() -> None:
             export(checkpoint, fmt, str(export_dir), speculative_tokens=args.k)
             theirs = vllm_arm(fmt, export_dir / "vllm" if fmt != "speculators" else export_dir, target_dir, prompts,
                               args.k, args.max_new_tokens, eos, args.compile, work)
+            if "refused" in theirs:
+                print(f"  vLLM {fmt}: refused: {theirs['refused']} (log: {theirs['log']})", flush=True)
+                lines.append(f"RESULT format={fmt} drafter={Path(drafter).parent.name} tau_draftsmith={ours['tau']:.3f} "
+                             f"vllm_refused=\"{theirs['refused']}\"")
+                continue
             if theirs["speculative_tokens"] != args.k:
                 raise SystemExit(f"vLLM drafted {theirs['speculative_tokens']} tokens per round, not {args.k}")
             same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"])) / len(prompts)

@@ -36,8 +36,7 @@ def family_config(family: str, vocab_size: int):
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=WINDOW),
         "phi3": lambda: tf.Phi3Config(**common),
         "gpt_oss": lambda: tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-                                           sliding_window=WINDOW, layer_types=mixed,
-                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                                           sliding_window=WINDOW, layer_types=mixed),  # yarn rope, as released
     }[family]()
 
 

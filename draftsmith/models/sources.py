@@ -88,7 +88,7 @@ GGUF_SPECIAL_TOKENS = {  # tokenizer attribute → the GGUF metadata key naming 
     "bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
     "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
 }
-GGUF_CACHE_FORMAT = 2  # 2: special tokens as the file names them (set_special_tokens)
+GGUF_CACHE_FORMAT = 3  # 2: special tokens as the file names them (set_special_tokens); 3: architectures named
 
 
 def gguf_special_token_ids(path: Path) -> dict[str, int]:
@@ -142,6 +142,9 @@ def _gguf_cache(path: Path) -> Path:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the weights are dequantized now
+        # a GGUF names no architecture; an engine reading the directory would guess one from model_type
+        # (vLLM takes a gemma3_text directory for Gemma3ModelForEmbedding)
+        config.architectures = [type(model).__name__]
         config.save_pretrained(tmp)
         tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}

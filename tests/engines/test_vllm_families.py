@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from tests.test_families import EAGLE3, FAMILIES, family_features, train_family_drafter  # noqa: E402
 
-REFUSED = {"gemma3_text": "Model does not support EAGLE3 interface"}  # vLLM 0.32's words
+REFUSED = {"gemma3_text": "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"}
 SIZES = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=256)
 
 WORKER = """
