@@ -26,8 +26,8 @@ from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear, lo
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
-from draftsmith.train.losses import (feature_regression, head_distillation, loss_tokens, step_weights, target_mix,
-                                     uniform_noise)
+from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
+                                     loss_tokens, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine
 
@@ -78,6 +78,11 @@ class DrafterModule(pl.LightningModule):
         ce_weight: weight of the soft cross-entropy against the target distribution.
         topk_weight: weight of HASS's Top-K distillation loss.
         topk: K of the Top-K loss.
+        acceptance_weight: weight of an acceptance-direct loss (`train/losses.acceptance_loss`: the
+            acceptance rate Σ min(p, q) itself), beside or instead of the soft cross-entropy.
+        acceptance_loss: its form: tv (1 − α), log (−log α) or hybrid (KL while p and q barely overlap,
+            TV as they agree; the LK losses).
+        acceptance_eta: η of the hybrid's weight λ = exp(−η·α).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -97,7 +102,8 @@ class DrafterModule(pl.LightningModule):
     def __init__(self, target: str, kind: str = EAGLE.name, aux_layer_ids: list[int] | None = None,
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
-                 topk_weight: float = 0.0, topk: int = 10,
+                 topk_weight: float = 0.0, topk: int = 10, acceptance_weight: float = 0.0,
+                 acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
@@ -109,7 +115,10 @@ class DrafterModule(pl.LightningModule):
         entry = drafter_kind(kind)
         if not entry.reads_features:
             raise DraftsmithError(f"DrafterModule trains feature drafters; {entry.title} trains with {entry.trainer}")
-        if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0:
+        if acceptance_loss not in ACCEPTANCE_LOSSES:
+            raise DraftsmithError(f"acceptance_loss must be one of {', '.join(ACCEPTANCE_LOSSES)}, got {acceptance_loss!r}")
+        if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
+                and acceptance_weight == 0:
             raise DraftsmithError(f"{entry.title} has no feature regression: set ce_weight or topk_weight > 0")
         self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
         self.online, self.count_tokens = online, count_tokens
@@ -236,8 +245,14 @@ class DrafterModule(pl.LightningModule):
             rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)
             every = sel.new_ones(len(rows))
             x = self.drafter.head_input(picked)
-            parts[f"distill_{j}"] = head_distillation(x, weight, mass[rows], mix[rows], every)
-            loss = parts[f"distill_{j}"]
+            loss = 0.0
+            if torch.is_tensor(mix):  # a soft cross-entropy or Top-K term (ce_weight, topk_weight)
+                parts[f"distill_{j}"] = loss = head_distillation(x, weight, mass[rows], mix[rows], every)
+            if h.acceptance_weight:  # on the drafter's logits over its vocabulary, against the same table
+                logits = x.to(weight.dtype) @ weight.T
+                parts[f"acceptance_{j}"] = acceptance_loss(logits, table[rows], every, h.acceptance_loss,
+                                                           h.acceptance_eta)
+                loss = loss + h.acceptance_weight * parts[f"acceptance_{j}"]
             if regresses and h.feature_weight:
                 parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
                 loss = loss + h.feature_weight * parts[f"feature_{j}"]

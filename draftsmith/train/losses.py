@@ -106,6 +106,39 @@ def head_forward_kl(x: torch.Tensor, weight: torch.Tensor, target_logits: torch.
     return head_distillation(x, weight, mix.new_ones(len(p)), mix, mask) + _masked_mean(neg_entropy, mask)
 
 
+ACCEPTANCE_LOSSES = ("tv", "log", "hybrid")
+
+
+def acceptance_loss(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, form: str = "hybrid",
+                    eta: float = 3.0) -> torch.Tensor:
+    """A loss on speculative sampling's acceptance rate itself. A drafted token is accepted with
+    probability α = Σ_v min(p(v), q(v)) = 1 − TV(p, q) (Leviathan et al. 2023, §3.5), q = softmax(logits);
+    the LK losses (Samarin et al. 2026, arXiv:2602.23881) train on α directly, where KL and cross-entropy
+    only bound it (Pinsker):
+
+    - `tv`: 1 − α;
+    - `log`: −log α (α floored at 1e-5), whose gradient is TV's scaled by 1/α, so a drafter far from
+      the target still learns; a one-hot p makes it the cross-entropy;
+    - `hybrid`: λ·KL(p ‖ q) + (1 − λ)·(1 − α) with λ = exp(−η·α) and α held constant in λ: KL's
+      gradient while the two laws barely overlap, TV's as they come to agree.
+
+    p (..., V) target probabilities over the same vocabulary as the logits."""
+    if form not in ACCEPTANCE_LOSSES:
+        raise ValueError(f"acceptance loss must be one of {ACCEPTANCE_LOSSES}, got {form!r}")
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    p = p.float()
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)  # (...,)
+    if form == "tv":
+        per_position = 1 - alpha
+    elif form == "log":
+        per_position = -alpha.clamp_min(1e-5).log()
+    else:
+        kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1)  # 0·log 0 = 0
+        lam = torch.exp(-eta * alpha.detach())
+        per_position = lam * kl + (1 - lam) * (1 - alpha)
+    return _masked_mean(per_position, mask)
+
+
 def uniform_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
     """EAGLE's feature noise: add U(-scale/2, scale/2) to every coordinate."""
     if scale <= 0:

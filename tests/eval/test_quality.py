@@ -126,7 +126,8 @@ def test_eval_sweep_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
 
     from draftsmith.eval.report import table
 
-    lenient["speed"]["valid"] = False  # as evaluate marks a point timed while other work shared the CPU
+    # as evaluate marks a point timed while other work shared the CPU (set both: a loaded test machine marks its own)
+    strict["speed"]["valid"], lenient["speed"]["valid"] = True, False
     shown = Console(record=True, width=400)
     shown.print(table(results))
     text = " ".join(shown.export_text().split())

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.train.losses import (feature_regression, forward_kl, head_distillation, head_forward_kl, head_logsumexp,
+from draftsmith.train.losses import (acceptance_loss, feature_regression, forward_kl, head_distillation, head_forward_kl, head_logsumexp,
                                      soft_cross_entropy, step_weights, target_mix, topk_distillation, uniform_noise)
 
 # one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
@@ -163,3 +163,33 @@ def test_a_normalizing_acceptance_head_reads_only_the_direction_of_the_hidden_st
         with torch.no_grad():
             same = torch.allclose(head(hidden), head(300 * hidden), atol=1e-4)
         assert same == normalize
+
+
+def test_acceptance_losses_by_hand():
+    """p = (0.5, 0.3, 0.2), q = softmax(log(0.2, 0.3, 0.5)) = (0.2, 0.3, 0.5): α = 0.2 + 0.3 + 0.2 = 0.7."""
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    logits = torch.tensor([[0.2, 0.3, 0.5]]).log()
+    every = torch.ones(1, dtype=torch.bool)
+    assert acceptance_loss(logits, p, every, "tv") == pytest.approx(0.3)
+    assert acceptance_loss(logits, p, every, "log") == pytest.approx(-math.log(0.7))
+    kl = 0.5 * math.log(0.5 / 0.2) + 0.2 * math.log(0.2 / 0.5)  # the middle term is 0
+    lam = math.exp(-3.0 * 0.7)
+    assert acceptance_loss(logits, p, every, "hybrid", eta=3.0) == pytest.approx(lam * kl + (1 - lam) * 0.3)
+    assert acceptance_loss(logits, p, every, "hybrid", eta=1e9) == pytest.approx(0.3)  # λ → 0: TV alone
+    # a one-hot target: −log α is the cross-entropy; p = q: every form is 0 (the hybrid's KL too)
+    assert acceptance_loss(logits, torch.tensor([[0.0, 0.0, 1.0]]), every, "log") == pytest.approx(-math.log(0.5))
+    for form in ("tv", "log", "hybrid"):
+        assert acceptance_loss(logits, logits.softmax(-1), every, form) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="one of"):
+        acceptance_loss(logits, p, every, "kl")
+
+
+def test_the_log_acceptance_gradient_is_tvs_scaled_by_one_over_alpha():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    every = torch.ones(1, dtype=torch.bool)
+    grads = {}
+    for form in ("tv", "log"):
+        logits = torch.tensor([[0.2, 0.3, 0.5]]).log().requires_grad_()
+        acceptance_loss(logits, p, every, form).backward()
+        grads[form] = logits.grad
+    assert torch.allclose(grads["log"], grads["tv"] / 0.7, atol=1e-6)

@@ -44,12 +44,17 @@ def batch_and_data(tiny_features):
     return next(iter(dm.train_dataloader())), dm
 
 
-@pytest.mark.parametrize("kind,lr", [("eagle", 1e-2), ("eagle3", 3e-3)])
-def test_feature_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, lr):
+@pytest.mark.parametrize("kind,lr,losses", [("eagle", 1e-2, {}), ("eagle3", 3e-3, {}),
+                                            ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
+                                                              "acceptance_weight": 1.0}),
+                                            ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
+                                                              "acceptance_weight": 1.0, "acceptance_loss": "log"})])
+def test_feature_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, lr, losses):
+    """With HASS's Top-K loss; and with an acceptance-direct loss alone (hybrid, log), no cross-entropy."""
     batch, dm = batch_and_data
     extra = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": 40} if kind == "eagle3" else {}
-    module = DrafterModule(str(tiny_features / "target"), kind=kind, alignment_steps=2, topk_weight=1.0,
-                           count_tokens=dm.token_counts, **extra)
+    module = DrafterModule(str(tiny_features / "target"), kind=kind, alignment_steps=2,
+                           count_tokens=dm.token_counts, **extra, **{"topk_weight": 1.0, **losses})
     module.configure_model()
     module.log = lambda *a, **k: None  # no Trainer here
     losses, before, after = overfit(module, batch, lr, lambda b: module.alignment_forward(b, with_metrics=True))
