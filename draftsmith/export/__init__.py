@@ -117,7 +117,8 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
         drafter = load_native(out, target)
     else:
         _, tensors = read_export(out / "vllm" if (out / "vllm").is_dir() else out)  # one engine's copy
-        drafter = drafter_from_tensors(kind.name, engine_to_native(tensors), target, module.aux_layer_ids)
+        drafter = drafter_from_tensors(kind.name, engine_to_native(tensors), target, module.aux_layer_ids,
+                                       module.drafter.options)
     reference = module.drafter.float().eval()
     g = torch.Generator().manual_seed(0)
     b, t = 2, 8

@@ -34,6 +34,7 @@ def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
         config["sizes"] = sizes(module)
         config["draft_vocab_size"] = module.drafter.vocab_size
         config["layer_config"] = module.drafter.config.to_dict()
+        config["drafter_options"] = dict(module.drafter.options)
     return config
 
 

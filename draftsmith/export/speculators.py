@@ -18,7 +18,7 @@ from typing import Any
 
 from draftsmith import DraftsmithError
 from draftsmith.export.common import check_config, llama_layer_config, provenance, save, sizes
-from draftsmith.export.eagle3 import check_eagle3, eagle3_tensors
+from draftsmith.export.eagle3 import check_eagle3, eagle3_tensors, options_config
 from draftsmith.models.registry import EAGLE3
 
 
@@ -54,13 +54,13 @@ def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
 def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any) -> list[str]:
     s, ids = sizes(module), list(module.aux_layer_ids)
     tensors = eagle3_tensors(module.drafter, with_embeddings=True)
-    check_eagle3(tensors, s, str(out))
+    check_eagle3(tensors, s, str(out), module.drafter.options)
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
     algorithm = EAGLE3.speculators_algorithm
     config = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": algorithm,
         "transformer_layer_config": layer, "draft_vocab_size": s["Vd"], "target_hidden_size": s["Ht"],
-        "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids,
+        "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids, **options_config(module.drafter),
         "speculators_config": {
             "algorithm": algorithm, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.speculative_tokens}],

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith import DraftsmithError
 from draftsmith.models.common import (cache_kwargs, drafter_config, layer_classes, frozen_embedding, frozen_linear,
                                       init_linear_)
 
@@ -34,13 +35,17 @@ class EagleDrafter(nn.Module):
         self.lm_head = frozen_linear(head_weight)  # (V, H), the target's
         init_linear_(nn.ModuleList([self.fc, self.layer]), self.config.initializer_range)
         self.draft_to_target: torch.Tensor | None = None  # full vocabulary
+        self.options: dict[str, bool] = {}
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                     norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None, num_aux: int,
-                    target_hidden_size: int) -> "EagleDrafter":
+                    target_hidden_size: int, **options: bool) -> "EagleDrafter":
         """The constructor every feature drafter kind shares (`models/registry.py`): the target's parts;
-        an EAGLE drafter reads no draft vocabulary, fused layers or final norm."""
+        an EAGLE drafter reads no draft vocabulary, fused layers or final norm, and has no options."""
+        if any(options.values()):
+            raise DraftsmithError(f"{sorted(k for k, v in options.items() if v)}: options of the eagle3 kind "
+                                  "(EAGLE-3.1), not of an EAGLE-1/2 drafter")
         return cls(target_config, embed_weight, head_weight)
 
     @property

@@ -7,6 +7,11 @@ norm and a head over a draft vocabulary of Vd tokens: `d2t[i]` is the offset suc
 target id = i + d2t[i], and `t2d` marks the target ids in the draft vocabulary. During
 training-time test the drafter's own output replaces fc(fused) as g.
 
+EAGLE-3.1's options against the drift of the features across drafting steps (the layouts vLLM and
+`speculators` load): `fc_norm`, an RMSNorm on each fused layer before fc (`norm_before_fc`: one on
+their concatenation instead), and `norm_output`, the drafter's output normed before it is fed back
+as the next step's g (the head then reads it as it is).
+
 Notation: B batch, T sequence, H hidden, Ht target hidden, k fused layers, V vocab, Vd draft vocab.
 """
 
@@ -17,7 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs, drafter_config, layer_classes, frozen_embedding, init_linear_
+
+OPTIONS = ("fc_norm", "norm_before_fc", "norm_output")  # EAGLE-3.1's, all off by default
 
 
 class Eagle3Layer(nn.Module):
@@ -48,12 +56,21 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
-                 norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int):
+                 norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int,
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False):
         super().__init__()
+        if fc_norm and norm_before_fc:
+            raise DraftsmithError("fc_norm (a norm per fused layer) and norm_before_fc (one on all of them) exclude "
+                                  "each other: choose one")
         self.config = drafter_config(target_config)
         classes = layer_classes()
         h, v = self.config.hidden_size, embed_weight.shape[0]
+        eps = self.config.rms_norm_eps
+        self.options = {"fc_norm": fc_norm, "norm_before_fc": norm_before_fc, "norm_output": norm_output}
         self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
+        self.fc_norm = nn.ModuleList([classes.norm(target_hidden_size, eps=eps) for _ in range(num_aux)]) \
+            if fc_norm else None
+        self.input_norm = classes.norm(num_aux * target_hidden_size, eps=eps) if norm_before_fc else None
         self.fc = nn.Linear(num_aux * target_hidden_size, h, bias=False)
         self.layer = Eagle3Layer(self.config, classes)
         self.rotary = classes.rotary(self.config)
@@ -74,12 +91,16 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                     norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None, num_aux: int,
-                    target_hidden_size: int) -> "Eagle3Drafter":
+                    target_hidden_size: int, **options: bool) -> "Eagle3Drafter":
         """The constructor every feature drafter kind shares (`models/registry.py`); no draft_ids: the
-        target's whole vocabulary."""
+        target's whole vocabulary; `options`: EAGLE-3.1's (`OPTIONS`)."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise DraftsmithError(f"unknown EAGLE-3 options {unknown}; known: {list(OPTIONS)}")
         if draft_ids is None:
             draft_ids = torch.arange(embed_weight.shape[0])
-        return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size)
+        return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size,
+                   **options)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -92,17 +113,23 @@ class Eagle3Drafter(nn.Module):
 
     def project(self, final: torch.Tensor | None, aux: torch.Tensor) -> torch.Tensor:
         """The step-0 feature from the fused target layers: (B, T, k*Ht) → (B, T, H)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(aux)
 
     def forward(self, input_ids: torch.Tensor, feature: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Any = None) -> torch.Tensor:
         """(B, T) tokens x_{t+1}, (B, T, H) fused or fed-back features → (B, T, H) hidden."""
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
-        return self.layer(embeds, feature, attention_mask, position_ids, self.rotary(feature, position_ids), cache)
+        hidden = self.layer(embeds, feature, attention_mask, position_ids, self.rotary(feature, position_ids), cache)
+        return self.norm(hidden) if self.options["norm_output"] else hidden
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the head multiplies: the drafter's own final norm of its hidden state."""
-        return self.norm(hidden)
+        """What the head multiplies: the drafter's own final norm of its hidden state (with `norm_output`
+        the hidden state is already normed)."""
+        return hidden if self.options["norm_output"] else self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) → (B, T, Vd) over the draft vocabulary."""

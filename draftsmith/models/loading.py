@@ -43,16 +43,19 @@ def load_native(directory: str | Path, target: Any) -> Any:
     if diffs:
         raise DraftsmithError(f"drafter in {directory} was trained for another target: {'; '.join(diffs)}; "
                               "re-export the drafter for this target")
-    return drafter_from_tensors(config["kind"], tensors, target, config.get("aux_layer_ids", []))
+    return drafter_from_tensors(config["kind"], tensors, target, config.get("aux_layer_ids", []),
+                                config.get("drafter_options", {}))
 
 
-def drafter_from_tensors(kind: str, tensors: dict[str, torch.Tensor], target: Any, aux_layer_ids: list[int]) -> Any:
-    """Build a drafter of `kind` around `target` and load drafter-named tensors (native names)."""
+def drafter_from_tensors(kind: str, tensors: dict[str, torch.Tensor], target: Any, aux_layer_ids: list[int],
+                         options: dict[str, bool] | None = None) -> Any:
+    """Build a drafter of `kind` (with its `options`, EAGLE-3.1's) around `target` and load drafter-named
+    tensors (native names)."""
     entry = drafter_kind(kind)
     embed, head = target.embed_tokens.weight.detach().float(), target.lm_head.weight.detach().float()
     draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"] if entry.pruned_vocab else None
     drafter = entry.model_class.from_target(target.config, embed, head, None, draft_ids, len(aux_layer_ids),
-                                            target.hidden_size)
+                                            target.hidden_size, **(options or {}))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if set(missing) - set(entry.frozen) or unexpected:
         raise DraftsmithError(f"drafter weights do not fit: missing {sorted(set(missing) - set(entry.frozen))}, "

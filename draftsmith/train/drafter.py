@@ -29,6 +29,7 @@ from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
+from draftsmith.models.eagle3 import OPTIONS
 from draftsmith.train.optim import adamw_warmup_cosine
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
@@ -83,6 +84,9 @@ class DrafterModule(pl.LightningModule):
         acceptance_loss: its form: tv (1 − α), log (−log α) or hybrid (KL while p and q barely overlap,
             TV as they agree; the LK losses).
         acceptance_eta: η of the hybrid's weight λ = exp(−η·α).
+        fc_norm: EAGLE-3.1 (eagle3 only): an RMSNorm on each fused target layer before fc.
+        norm_before_fc: EAGLE-3.1 (eagle3 only): one RMSNorm on the fused layers' concatenation (not with fc_norm).
+        norm_output: EAGLE-3.1 (eagle3 only): the drafter's output normed before it is fed back to the next step.
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -103,7 +107,8 @@ class DrafterModule(pl.LightningModule):
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10, acceptance_weight: float = 0.0,
-                 acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
+                 acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0, fc_norm: bool = False,
+                 norm_before_fc: bool = False, norm_output: bool = False,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
@@ -143,7 +148,8 @@ class DrafterModule(pl.LightningModule):
             if kind.fused_layers else []
         self.drafter = kind.model_class.from_target(target.config, embed, head, target.final_norm_scale(),
                                                     self._draft_ids(target) if kind.pruned_vocab else None,
-                                                    len(self.aux_layer_ids), target.hidden_size)
+                                                    len(self.aux_layer_ids), target.hidden_size,
+                                                    **{k: self.hparams.get(k, False) for k in OPTIONS})
         # the target's full-vocabulary head, for the distillation targets (a shared head is the drafter's own)
         self.softcap = logit_softcap(target.config)
         self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)

@@ -38,6 +38,16 @@ def test_every_familys_drafter_loads_in_the_speculators_package(family, tmp_path
     drafts_as_trained(train_family_drafter(tmp_path / "tiny", tmp_path / "fit", EAGLE3), tmp_path / "spec")
 
 
+@pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+def test_the_speculators_package_drafts_what_an_eagle31_drafter_drafts(tiny_features, tmp_path, options):
+    """EAGLE-3.1's norms (per fused layer or on all of them; the output normed): the package reads the flags
+    and tensors and drafts what the trained module drafts."""
+    from tests.conftest import train
+
+    ckpt = train(tiny_features, tmp_path / "fit", kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2], **options)
+    drafts_as_trained(ckpt, tmp_path / "spec")
+
+
 def drafts_as_trained(ckpt, out):
     """Export `ckpt` for the speculators package and check that one drafting step of the package's model
     gives the trained module's logits (1e-4) and draft tokens."""

@@ -39,14 +39,15 @@ json.dump({"tokens": list(out[0].outputs[0].token_ids), "drafts": drafts}, open(
 """
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_serves_every_familys_eagle3_export_beside_its_target(family, tmp_path):
+@pytest.mark.parametrize("family, options", [(family, {}) for family in FAMILIES]
+                         + [("llama", {"fc_norm": True, "norm_output": True})])  # and EAGLE-3.1's norms
+def test_vllm_serves_every_familys_eagle3_export_beside_its_target(family, options, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from draftsmith.export import export
 
     target = family_features(family, tmp_path / "tiny", **SIZES)
-    ckpt = train_family_drafter(tmp_path / "tiny", tmp_path / "fit", EAGLE3)
+    ckpt = train_family_drafter(tmp_path / "tiny", tmp_path / "fit", {**EAGLE3, **options})
     export(str(ckpt), "eagle3", str(tmp_path / "eagle3"))
     prompt, new = list(range(10, 50)), 24
     with torch.no_grad():

@@ -1,0 +1,57 @@
+"""EAGLE-3.1: the eagle3 kind with norms against the drift of its features across drafting steps (a norm
+per fused layer or one on all of them before fc; the output normed before it is fed back). It trains,
+exports in the layouts vLLM and `speculators` read (flags and tensors; tests/engines loads them in the
+engines' own code), and decodes exactly the target's text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith import DraftsmithError
+from tests.conftest import run_cli, train
+
+
+@pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+def test_eagle31_trains_exports_and_decodes_the_targets_text(tiny_features, tmp_path, options):
+    ckpt = train(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2], **options)
+    for fmt in ("native", "eagle3", "speculators"):  # each export is reloaded and compared with the module
+        done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert done.returncode == 0, done.stderr[-3000:]
+    flags = {"fc_norm": False, "norm_before_fc": False, "norm_output": False, **options}
+    for config in (tmp_path / "eagle3" / "vllm" / "config.json", tmp_path / "speculators" / "config.json"):
+        written = json.loads(config.read_text())
+        assert {k: written[k] for k in flags} == flags
+    tensors = load_file(str(tmp_path / "eagle3" / "vllm" / "model.safetensors"))
+    expected = {f"fc_norm.{i}.weight" for i in range(3)} if options.get("fc_norm") else {"input_norm.weight"}
+    assert expected <= set(tensors) and all(tensors[name].shape == (32 * (3 if "input" in name else 1),)
+                                            for name in expected)
+    assert json.loads((tmp_path / "native" / "config.json").read_text())["drafter_options"] == flags
+    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "native"),
+                     "--limit", "2", "--repeats", "1", "--max_new_tokens", "12", "--dtype", "float32",
+                     "--policy", "static", "--k", "3", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "eval" / "results.json").read_text())["identical_outputs"] is True
+
+
+def test_eagle31_options_are_checked():
+    from transformers import LlamaConfig
+
+    from draftsmith.models.eagle import EagleDrafter
+    from draftsmith.models.eagle3 import Eagle3Drafter
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=50, num_hidden_layers=2)
+    w = torch.randn(50, 32)
+    with pytest.raises(DraftsmithError, match="exclude each other"):
+        Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, fc_norm=True, norm_before_fc=True)
+    with pytest.raises(DraftsmithError, match="unknown EAGLE-3 options"):
+        Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, fc_nrom=True)
+    with pytest.raises(DraftsmithError, match="options of the eagle3 kind"):
+        EagleDrafter.from_target(config, w, w, None, None, 0, 32, norm_output=True)
+    drafter = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, norm_output=True)
+    hidden = drafter(torch.tensor([[1, 2]]), torch.randn(1, 2, 32), torch.arange(2)[None], None)
+    assert torch.allclose(hidden, drafter.norm(hidden), atol=1e-5)  # fed back normed: the head reads it as it is
