@@ -33,6 +33,8 @@ def family_config(family: str, vocab_size: int):
         "gemma3_text": lambda: tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
                                                    sliding_window=WINDOW, layer_types=mixed,
                                                    final_logit_softcapping=30.0),
+        "gemma2": lambda: tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                          layer_types=mixed),  # attention and logits soft-capped: eager attention
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=WINDOW),
         "phi3": lambda: tf.Phi3Config(**common),
         "gpt_oss": lambda: tf.GptOssConfig(**common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
@@ -40,7 +42,7 @@ def family_config(family: str, vocab_size: int):
     }[family]()
 
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3_text", "mistral", "phi3", "gpt_oss"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mistral", "phi3", "gpt_oss"]
 
 
 def save_family_target(path, family: str, **config):

@@ -3,7 +3,7 @@
 A tiny random target of each family (head dim 64: what vLLM's CPU attention takes) and a drafter trained
 two steps on it; vLLM loads the target with the export as its EAGLE-3 drafter and decodes greedily,
 which must give the target's own tokens (speculative decoding is lossless) with drafts verified. vLLM
-0.32 refuses Gemma 3 targets for EAGLE-3 (`Gemma3ForCausalLM` lacks its `SupportsEagle3` interface):
+0.32 refuses Gemma 2 and 3 targets for EAGLE-3 (their classes lack its `SupportsEagle3` interface):
 that refusal is what its test expects, verbatim. Each engine runs in its own process."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ pytest.importorskip("vllm")
 
 from tests.test_families import EAGLE3, FAMILIES, family_features, train_family_drafter  # noqa: E402
 
-REFUSED = {"gemma3_text": "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"}
+REFUSED = {family: "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+           for family in ("gemma2", "gemma3_text")}  # vLLM 0.32's Gemma 2 and 3 lack SupportsEagle3
 SIZES = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=256)
 
 WORKER = """
