@@ -49,7 +49,7 @@ def drafter_config(target_config: Any) -> Any:
     target's MLP width is its dense `intermediate_size`."""
     from transformers import LlamaConfig
 
-    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    t = target_config.get_text_config()
     heads = t.num_attention_heads
     config = LlamaConfig(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
@@ -68,8 +68,7 @@ def drafter_config(target_config: Any) -> Any:
 def logit_softcap(config: Any) -> float | None:
     """The cap c of a family whose logits are c·tanh(z / c) (Gemma 2's `final_logit_softcapping`;
     set in some Gemma 3 configs too), else None."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = getattr(config.get_text_config(), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 

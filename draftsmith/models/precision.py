@@ -8,8 +8,8 @@ is faster in bf16 (docs/benchmarks.md, "Machines"). Which type wins depends on t
 the work, so `auto` measures rather than guesses: once per process, per device and kind of work, it
 times the same products in both types. For bulk work it takes bf16 unless float32 is clearly faster
 (`FLOAT32_MARGIN`); for decoding, float32 unless bf16 is clearly faster (`BF16_MARGIN`): a bf16 target
-decodes another text than the float32 one (greedy outputs agree on 46–82 % of tokens on the embedded
-targets), which only a real speedup pays for.
+decodes another text than the float32 one (the eval table flags it, with the measured agreement),
+which only a real speedup pays for.
 
 Two kinds of work, timed differently:
 

@@ -116,25 +116,25 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None,
-                        window: int | None = None) -> torch.Tensor:
+def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mask (1, 1, n+1, cached+n+1) for the verification forward of [root, nodes]: every row sees
-    the cache and the root; node rows see their ancestors and themselves. With a sliding `window`
-    (a layer that attends to the last `window` positions, as transformers' sliding masks do), a row at
-    position P sees only keys at positions above P − window; a node's position is cached + its depth.
-    Boolean (True: attend; what SDPA takes as it is) when `dtype` is None, else additive (`additive_mask`)."""
+    the cache and the root; node rows see their ancestors and themselves. Boolean (True: attend;
+    what SDPA takes as it is) when `dtype` is None, else additive (`additive_mask`)."""
+    return _as_mask(_tree_allowed(tree, cached), dtype)
+
+
+def _tree_allowed(tree: DraftTree, cached: int) -> torch.Tensor:
+    """tree_attention_mask's rows, boolean (n+1, cached+n+1)."""
     n = len(tree)
-    device = tree.tokens.device
-    allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=device)
+    allowed = torch.ones(n + 1, cached + n + 1, dtype=torch.bool, device=tree.tokens.device)
     allowed[0, cached + 1:] = False
     allowed[1:, cached + 1:] = ancestor_matrix(tree.parents)
-    if window is not None:
-        query = cached + torch.cat([tree.depth.new_zeros(1), tree.depth]).to(device)  # (n+1,) positions
-        key = torch.cat([torch.arange(cached, device=device), query])  # (cached+n+1,)
-        allowed &= (query[:, None] - key[None, :]) < window
-    if dtype is None:
-        return allowed[None, None]
-    return additive_mask(allowed, dtype)[None, None]
+    return allowed
+
+
+def _as_mask(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """(1, 1, rows, keys): boolean as it is (dtype None), else additive."""
+    return allowed[None, None] if dtype is None else additive_mask(allowed, dtype)[None, None]
 
 
 def sliding_window(config) -> tuple[int | None, bool]:
@@ -149,14 +149,19 @@ def sliding_window(config) -> tuple[int | None, bool]:
 
 
 def tree_attention_masks(tree: DraftTree, cached: int, config, dtype: torch.dtype | None = None):
-    """What a target's decoder takes as the tree's attention mask: `tree_attention_mask`, windowed for
-    sliding layers: one tensor, or a mapping layer type → mask for models that mask by layer type."""
+    """What a target's decoder takes as the tree's attention mask: `tree_attention_mask`, and for sliding
+    layers the same windowed (a layer that attends to the last `window` positions, as transformers'
+    sliding masks do): a row at position P sees only keys at positions above P − window, a node's
+    position being cached + its depth. One tensor, or a mapping layer type → mask for models that mask
+    by layer type."""
     window, by_type = sliding_window(config)
-    full = tree_attention_mask(tree, cached, dtype)
+    allowed = _tree_allowed(tree, cached)
     if window is None:
-        return full
-    windowed = tree_attention_mask(tree, cached, dtype, window)
-    return {"full_attention": full, "sliding_attention": windowed} if by_type else windowed
+        return _as_mask(allowed, dtype)
+    query = cached + torch.cat([tree.depth.new_zeros(1), tree.depth]).to(allowed.device)  # (n+1,) positions
+    key = torch.cat([torch.arange(cached, device=allowed.device), query])  # (cached+n+1,)
+    windowed = _as_mask(allowed & ((query[:, None] - key[None, :]) < window), dtype)
+    return {"full_attention": _as_mask(allowed, dtype), "sliding_attention": windowed} if by_type else windowed
 
 
 def select_tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor,

@@ -164,7 +164,7 @@ LARGE_VOCABULARY_WEIGHTS = 50_000_000  # embedding + head weights from which a f
 
 def warn_large_vocabulary(student: Any, lora_rank: int | None) -> None:
     """Say so when a fully trained draft LM's embedding and head dwarf its layers (Gemma's 262k vocabulary:
-    2 × 168M weights with their AdamW state, 70-90 s a step and 9.5 GB on a 2-core CPU)."""
+    2 × 168M weights, each with its AdamW state, updated every step)."""
     from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 
     vocab, hidden = student.get_input_embeddings().weight.shape
