@@ -1,7 +1,8 @@
 """The τ draftsmith reports against the τ vLLM gets serving the same exports, one run.
 
 For each native drafter export given (all of one target: the one their configs name), the engine
-formats its kind has are written from the checkpoint the export names (EAGLE-1/HASS: `eagle`; EAGLE-3: `eagle3` and `speculators`). The same
+formats its kind has are written from the checkpoint the export names (EAGLE-1/HASS: `eagle`; EAGLE-3:
+`eagle3` and `speculators`; P-EAGLE, DFlash, DSpark: `speculators`). The same
 target (the dequantized directory the speculators config names as its verifier), prompts (MT-bench
 first turns, the target's chat template) and chain length K are then decoded greedily in fp32,
 batch 1, one prompt at a time:
@@ -37,7 +38,6 @@ from harness import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
-FORMATS = {"eagle": ("eagle",), "eagle3": ("eagle3", "speculators")}
 
 
 def vllm_worker(job_file: str) -> None:
@@ -149,6 +149,7 @@ def main() -> None:
     from draftsmith.eval.prompts import first_turn_ids
     from draftsmith.export import export
     from draftsmith.export.speculators import verifier_path
+    from draftsmith.models.registry import drafter_kind
     from draftsmith.models.target import load_target
 
     torch.manual_seed(0)
@@ -165,7 +166,8 @@ def main() -> None:
     for drafter in args.drafter:
         config = json.loads((Path(drafter) / "config.json").read_text())
         kind, checkpoint = config["kind"], config["provenance"]["checkpoint"]
-        if kind not in FORMATS:
+        formats = drafter_kind(kind).engine_formats()
+        if not formats:
             raise SystemExit(f"{drafter}: a {kind} drafter has no vLLM format (feature drafters only)")
         work = Path(args.out) / Path(drafter).parent.name
         work.mkdir(parents=True, exist_ok=True)
@@ -173,7 +175,7 @@ def main() -> None:
         ours_tps = sum(len(o) for o in ours["outputs"]) / ours["seconds"]
         print(f"{Path(drafter).parent.name} draftsmith: tau {ours['tau']:.3f}, per position "
               f"{[round(a, 3) for a in ours['per_position']]}, {ours_tps:.1f} tok/s", flush=True)
-        for fmt in FORMATS[kind]:
+        for fmt in formats:
             export_dir = work / fmt
             export(checkpoint, fmt, str(export_dir), speculative_tokens=args.k)
             theirs = vllm_arm(fmt, export_dir / "vllm" if fmt != "speculators" else export_dir, target_dir, prompts,

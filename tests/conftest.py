@@ -174,7 +174,7 @@ def tiny_features(tmp_path_factory):
     return root
 
 
-def recipe(root, tmp_path, callbacks=None, **model):
+def recipe(root, tmp_path, callbacks=None, module="draftsmith.train.drafter.DrafterModule", **model):
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
@@ -186,7 +186,7 @@ def recipe(root, tmp_path, callbacks=None, **model):
                                                 "init_args": {"dirpath": str(tmp_path / "run" / "ckpt"),
                                                               "save_last": True, "every_n_train_steps": 1,
                                                               "save_top_k": -1}}]},
-        "model": {"class_path": "draftsmith.train.drafter.DrafterModule",
+        "model": {"class_path": module,
                   "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
                                 "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
         "data": {"class_path": "draftsmith.data.modules.FeatureDataModule",
@@ -198,9 +198,9 @@ def recipe(root, tmp_path, callbacks=None, **model):
     return path
 
 
-def train(root, tmp_path, **model):
-    result = run_cli("fit", "--config", str(recipe(root, tmp_path, **model)), "--trainer.max_steps", "2",
-                     "--trainer.val_check_interval", "2")
+def train(root, tmp_path, steps: int = 2, **model):
+    result = run_cli("fit", "--config", str(recipe(root, tmp_path, **model)), "--trainer.max_steps", str(steps),
+                     "--trainer.val_check_interval", str(steps))
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / "run" / "ckpt" / "last.ckpt"
 
@@ -208,6 +208,33 @@ def train(root, tmp_path, **model):
 @pytest.fixture(scope="session")
 def eagle3_ckpt(tiny_features, tmp_path_factory):
     return train(tiny_features, tmp_path_factory.mktemp("e3"), kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2])
+
+
+BLOCK = {"module": "draftsmith.train.block.BlockDrafterModule", "draft_vocab_size": 40, "aux_layer_ids": [0, 1, 2],
+         "alignment_steps": 1, "topk_weight": 0.0, "ce_weight": 1.0, "block_size": 4, "anchors": 16}
+DSPARK = {**BLOCK, "kind": "dspark", "markov_rank": 8, "confidence_head": True}
+
+
+def train_block(root, tmp_path, kind: str = "dflash", steps: int = 2, **model):
+    """A DFlash (or DSpark, with its Markov bias and confidence head) drafter of the tiny target."""
+    return train(root, tmp_path, steps, **{**(DSPARK if kind == "dspark" else {**BLOCK, "kind": kind}), **model})
+
+
+@pytest.fixture(scope="session")
+def peagle_ckpt(tiny_features, tmp_path_factory):
+    """A P-EAGLE drafter of the tiny target: 3 alignment steps, the last two on its parallel mask inputs."""
+    return train(tiny_features, tmp_path_factory.mktemp("peagle"), kind="peagle", draft_vocab_size=40,
+                 aux_layer_ids=[0, 1, 2], alignment_steps=3, topk_weight=0.0, ce_weight=1.0)
+
+
+@pytest.fixture(scope="session")
+def dflash_ckpt(tiny_features, tmp_path_factory):
+    return train_block(tiny_features, tmp_path_factory.mktemp("dflash"))
+
+
+@pytest.fixture(scope="session")
+def dspark_ckpt(tiny_features, tmp_path_factory):
+    return train_block(tiny_features, tmp_path_factory.mktemp("dspark"), "dspark")
 
 
 @pytest.fixture(scope="session")

@@ -245,7 +245,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs (checked in DecodeOptions)
         runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=bool(cfg.compile))
-        if isinstance(proposer, FeatureProposer):
+        if isinstance(proposer, FeatureProposer) and not proposer.parallel:  # P-EAGLE drafts eagerly
             proposer.enable_graphs()
     else:
         runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import HEAD_KINDS
+from draftsmith.models.registry import CONFIDENCE_GRID, DRAFTER_CONFIDENCE, HEAD_KINDS
 from draftsmith.options import SamplingOptions, TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
 
@@ -34,11 +34,12 @@ class TuneConfig(TargetOptions, SamplingOptions):
 
     Args:
         drafter: the drafter's native export; specdec and disco read (and get) their stop head there.
-        policy: specdec, disco, or confidence (transformers' ROC rule on --labels, no decoding).
-        thresholds: the thresholds tried (specdec's h, disco's τ); default 0.2 to 0.99 for specdec, 0.2
-            to 0.9 by 0.1 for disco.
-        ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec, [4, 6, 8] for disco;
-            with --tree, the tree's depth.
+        policy: specdec, disco, dspark (a DSpark drafter's confidence head), or confidence (transformers'
+            ROC rule on --labels, no decoding).
+        thresholds: the thresholds tried (specdec's h, disco's τ, dspark's bound on Π c_i); default 0.2 to
+            0.99 for specdec, 0.2 to 0.9 by 0.1 for disco, 0.05 to 0.8 for dspark.
+        ks: the maximum draft lengths tried (disco's SL_max); default [8] for specdec and dspark (a block
+            drafts at most its own length), [4, 6, 8] for disco; with --tree, the tree's depth.
         tree: tune for EAGLE-2 tree rounds of this shape, DEPTH,TOPK,TOKENS (feature drafters), as
             `eval --tree` drafts them; omit for chains.
         labels: the label directory (confidence: its validation chats give the ROC curve).
@@ -69,8 +70,9 @@ class TuneConfig(TargetOptions, SamplingOptions):
     repeats: int = 2
 
     def __post_init__(self) -> None:
-        if self.policy not in (*HEAD_KINDS, "confidence"):
-            raise DraftsmithError(f"--policy must be {', '.join(HEAD_KINDS)} or confidence, got {self.policy!r}")
+        if self.policy not in (*HEAD_KINDS, DRAFTER_CONFIDENCE, "confidence"):
+            raise DraftsmithError(f"--policy must be {', '.join(HEAD_KINDS)}, {DRAFTER_CONFIDENCE} or confidence, "
+                                  f"got {self.policy!r}")
         if self.policy == "confidence" and self.labels is None:
             raise DraftsmithError("--policy confidence tunes on labelled drafts: give --labels (`draftsmith labels`)")
         if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.ks or []):
@@ -89,10 +91,10 @@ class TuneConfig(TargetOptions, SamplingOptions):
     def grid(self) -> list[tuple[float, int]]:
         """(threshold, maximum length) pairs tried."""
         head = HEAD_KINDS.get(self.policy)
-        thresholds = self.thresholds or (list(head.grid) if head else [])
+        thresholds = self.thresholds or list(head.grid if head else CONFIDENCE_GRID)
         if self.tree is not None:  # a tree round drafts at most its depth
             return [(t, self.tree_shape().depth) for t in thresholds]
-        ks = self.ks or (list(head.ks) if head else [4, 6, 8])
+        ks = self.ks or (list(head.ks) if head else [8])
         return [(t, k) for k in ks for t in thresholds]
 
 

@@ -3,7 +3,8 @@
 - native (`export/native.py`): what draftsmith's runtime loads (`models/loading.py`);
 - eagle (`export/eagle.py`): EAGLE-1/2/HASS drafters for vLLM, SGLang and the EAGLE reference code;
 - eagle3 (`export/eagle3.py`): EAGLE-3 drafters for vLLM and SGLang;
-- speculators (`export/speculators.py`): vLLM's native speculator config, EAGLE-3 drafters.
+- speculators (`export/speculators.py`, `export/block.py`): the `speculators` package's models, which vLLM
+  serves: EAGLE-3, DFlash and DSpark drafters.
 
 Each writer checks its output against its consumer's contract (every expected tensor present
 with its shape, nothing unexpected, config fields complete); the export is then reloaded and its
@@ -45,7 +46,8 @@ class ExportConfig:
             a stop head's (specdec, disco) is added to its drafter's native export named by --out.
         format: native (draftsmith's runtime), eagle (EAGLE-1/2/HASS for vLLM, SGLang, EAGLE code), eagle3 (vLLM, SGLang) or speculators (vLLM).
         out: the output directory.
-        speculative_tokens: tokens per proposal written into the speculators config.
+        speculative_tokens: tokens per proposal written into the speculators config (default: 3 for EAGLE-3,
+            a block drafter's whole block).
         verifier: the target the speculators config names, which vLLM loads: a hub id or a local model directory
             (default: the local directory the drafter was trained against; an embedded or GGUF target's dequantized copy).
     """
@@ -53,17 +55,17 @@ class ExportConfig:
     checkpoint: str
     format: str = "native"
     out: str = "export"
-    speculative_tokens: int = 3
+    speculative_tokens: int | None = None
     verifier: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise DraftsmithError(f"unknown format {self.format!r}; choose one of {FORMATS}")
-        if self.speculative_tokens < 1:
+        if self.speculative_tokens is not None and self.speculative_tokens < 1:
             raise DraftsmithError(f"--speculative_tokens must be >= 1, got {self.speculative_tokens}")
 
 
-def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int = 3, verifier: str | None = None) -> dict[str, Any]:
+def export(ckpt_path: str, fmt: str, out: str, speculative_tokens: int | None = None, verifier: str | None = None) -> dict[str, Any]:
     """Write `fmt` for the checkpoint into `out`, check it, reload it and compare logits."""
     from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint
 
@@ -117,9 +119,13 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
         drafter = load_native(out, target)
     else:
         _, tensors = read_export(out / "vllm" if (out / "vllm").is_dir() else out)  # one engine's copy
-        drafter = drafter_from_tensors(kind.name, engine_to_native(tensors), target, module.aux_layer_ids,
-                                       module.drafter.options)
+        named = tensors if kind.blocks else engine_to_native(tensors)  # block drafters keep the package's names
+        drafter = drafter_from_tensors(kind.name, named, target, module.aux_layer_ids, module.drafter.options)
     reference = module.drafter.float().eval()
+    if kind.blocks:
+        from draftsmith.models.block import probe
+
+        return _compare(probe(reference), probe(drafter), atol, out)
     g = torch.Generator().manual_seed(0)
     b, t = 2, 8
     ids = torch.randint(0, target.vocab_size, (b, t), generator=g)
@@ -131,6 +137,9 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
     with torch.no_grad():
         a = reference.logits(reference(ids, reference.project(feats, feats), positions, causal))
         c = drafter.logits(drafter(ids, drafter.project(feats, feats), positions, causal))
+        if hasattr(reference, "mask_inputs"):  # P-EAGLE: its parallel positions' input too
+            a, c = torch.cat([a.flatten(), reference.mask_inputs(1, 1)[1].flatten()]), \
+                torch.cat([c.flatten(), drafter.mask_inputs(1, 1)[1].flatten()])
     return _compare(a, c, atol, out)
 
 

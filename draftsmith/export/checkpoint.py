@@ -33,7 +33,7 @@ def module_from_checkpoint(ckpt: dict[str, Any]) -> Any:
     hp = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}  # LightningCLI adds _class_path
     kind = trained_kind(ckpt["draftsmith"]["kind"])
     module = kind.trainer_class(**hp)
-    if getattr(kind, "pruned_vocab", False):  # the draft vocabulary the checkpoint was trained with
+    if "drafter.d2t" in ckpt["state_dict"]:  # the draft vocabulary the checkpoint was trained with
         d2t = ckpt["state_dict"]["drafter.d2t"]
         module.forced_draft_ids = torch.arange(len(d2t)) + d2t
     module.on_load_checkpoint(ckpt)

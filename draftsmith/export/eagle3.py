@@ -26,6 +26,8 @@ def eagle3_tensors(drafter: Any, with_embeddings: bool = False) -> dict[str, tor
            "lm_head.weight": state["lm_head.weight"].float(), "d2t": state["d2t"].long(), "t2d": state["t2d"].bool(),
            **layer_tensors(drafter)}
     out.update({k: v.float() for k, v in state.items() if k.startswith(("fc_norm.", "input_norm."))})  # EAGLE-3.1
+    if "mask_hidden" in state:  # P-EAGLE
+        out["mask_hidden"] = state["mask_hidden"].float()
     if with_embeddings:
         out["embed_tokens.weight"] = state["embed_tokens.weight"].float()
     return out
@@ -51,6 +53,8 @@ def check_eagle3(tensors: dict[str, torch.Tensor], s: dict[str, int], where: str
     shapes = {**layer_shapes(s, 2 * h), "fc.weight": (h, s["k"] * s["Ht"]), "layers.0.input_layernorm.weight": (h,),
               "layers.0.hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (s["Vd"], h),
               "d2t": (s["Vd"],), "t2d": (s["V"],), **option_shapes(options or {}, s)}
+    if "mask_token_id" in (options or {}):  # P-EAGLE's stand-in for the fused layers
+        shapes["mask_hidden"] = (1, 1, s["k"] * s["Ht"])
     check_tensors(EAGLE3.name, tensors, shapes, {"embed_tokens.weight"}, where)
     problems = []
     if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:

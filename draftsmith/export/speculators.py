@@ -1,5 +1,6 @@
-"""The "speculators" format: the `speculators` library's Eagle3Speculator, which vLLM serves directly
-(`vllm serve EXPORT_DIR` reads the verifier from it).
+"""The "speculators" format: the `speculators` library's Eagle3Speculator (and PEagleSpeculator, the same
+layout with `mask_token_id` and `mask_hidden`), which vLLM serves directly (`vllm serve EXPORT_DIR` reads
+the verifier from it); block drafters' (DFlash, DSpark) are written by `export/block.py`.
 
 `transformer_layer_config` holds the Llama layer config; `norm_before_residual` is written
 explicitly (vLLM defaults it to true); `speculators_config` names the proposal method and the
@@ -19,9 +20,6 @@ from typing import Any
 from draftsmith import DraftsmithError
 from draftsmith.export.common import check_config, llama_layer_config, provenance, save, sizes
 from draftsmith.export.eagle3 import check_eagle3, eagle3_tensors, options_config
-from draftsmith.models.registry import EAGLE3
-
-
 def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
     """What `speculators_config.verifier.name_or_path` should say: `verifier` when given (checked
     against the drafter's target where it is a local directory), else the target's local directory."""
@@ -52,26 +50,33 @@ def verifier_path(identity: dict[str, Any], verifier: str | None) -> str:
 
 
 def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any) -> list[str]:
+    if module.kind.blocks:  # DFlash, DSpark: export/block.py
+        from draftsmith.export.block import write_block_speculators
+
+        return write_block_speculators(module, ckpt, out, options,
+                                       verifier_path(module.identity, options.verifier))
     s, ids = sizes(module), list(module.aux_layer_ids)
     tensors = eagle3_tensors(module.drafter, with_embeddings=True)
     check_eagle3(tensors, s, str(out), module.drafter.options)
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
-    algorithm = EAGLE3.speculators_algorithm
+    algorithm = module.kind.speculators_algorithm  # eagle3, or peagle (P-EAGLE: its mask token and mask_hidden)
+    architecture = module.kind.speculators_architecture
+    parallel = {"mask_token_id": module.drafter.mask_token_id} if hasattr(module.drafter, "mask_token_id") else {}
     config = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": algorithm,
+        "architectures": [architecture], "speculators_model_type": algorithm, **parallel,
         "transformer_layer_config": layer, "draft_vocab_size": s["Vd"], "target_hidden_size": s["Ht"],
         "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": ids, **options_config(module.drafter),
         "speculators_config": {
             "algorithm": algorithm, "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.speculative_tokens}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": options.speculative_tokens or 3}],
             "verifier": {"name_or_path": verifier_path(module.identity, options.verifier),
                          "architectures": [module.identity["architecture"]]},
         },
         "torch_dtype": "float32",
-        "draftsmith": {"kind": EAGLE3.name, "target": module.identity["name"], "target_identity": module.identity,
+        "draftsmith": {"kind": module.kind.name, "target": module.identity["name"], "target_identity": module.identity,
                        "provenance": provenance(ckpt)},
     }
-    check_config(config, {"architectures": ["Eagle3Speculator"], "speculators_model_type": algorithm,
+    check_config(config, {"architectures": [architecture], "speculators_model_type": algorithm, **parallel,
                           "transformer_layer_config": None, "draft_vocab_size": s["Vd"],
                           "target_hidden_size": s["Ht"], "norm_before_residual": False,
                           "eagle_aux_hidden_state_layer_ids": ids, "speculators_config.algorithm": algorithm,

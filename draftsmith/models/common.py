@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith import DraftsmithError
 
 
 def layer_classes() -> SimpleNamespace:
@@ -63,6 +64,20 @@ def drafter_config(target_config: Any) -> Any:
         pad_token_id=getattr(t, "pad_token_id", None))
     config._attn_implementation = "sdpa"
     return config
+
+
+def build_from_target(cls: type, title: str, known: tuple[str, ...], target_config: Any, embed_weight: torch.Tensor,
+                      head_weight: torch.Tensor, norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None,
+                      num_aux: int, target_hidden_size: int, options: dict[str, Any]) -> Any:
+    """A fused-layer drafter `cls` from the target's parts (the shared `from_target` of EAGLE-3, P-EAGLE
+    and the block drafters): its `options` checked against the `known` ones; no draft_ids, the target's
+    whole vocabulary."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise DraftsmithError(f"unknown {title} options {unknown}; known: {list(known)}")
+    if draft_ids is None:
+        draft_ids = torch.arange(embed_weight.shape[0])
+    return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size, **options)
 
 
 def logit_softcap(config: Any) -> float | None:

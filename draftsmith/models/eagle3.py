@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import cache_kwargs, drafter_config, layer_classes, frozen_embedding, init_linear_
+from draftsmith.models.common import build_from_target, cache_kwargs, drafter_config, layer_classes, frozen_embedding, init_linear_
 
 OPTIONS = ("fc_norm", "norm_before_fc", "norm_output")  # EAGLE-3.1's, all off by default
 
@@ -55,6 +55,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    OPTIONS = OPTIONS
+
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False):
@@ -94,13 +96,8 @@ class Eagle3Drafter(nn.Module):
                     target_hidden_size: int, **options: bool) -> "Eagle3Drafter":
         """The constructor every feature drafter kind shares (`models/registry.py`); no draft_ids: the
         target's whole vocabulary; `options`: EAGLE-3.1's (`OPTIONS`)."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise DraftsmithError(f"unknown EAGLE-3 options {unknown}; known: {list(OPTIONS)}")
-        if draft_ids is None:
-            draft_ids = torch.arange(embed_weight.shape[0])
-        return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size,
-                   **options)
+        return build_from_target(cls, "EAGLE-3", cls.OPTIONS, target_config, embed_weight, head_weight, norm_weight,
+                                 draft_ids, num_aux, target_hidden_size, options)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -134,6 +131,30 @@ class Eagle3Drafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, T, H) → (B, T, Vd) over the draft vocabulary."""
         return self.lm_head(self.head_input(hidden))
+
+
+class PEagleDrafter(Eagle3Drafter):
+    """P-EAGLE (parallel EAGLE): an EAGLE-3 drafter that drafts K tokens in one forward. After the real
+    anchors, K − 1 positions read the mask token and `mask_hidden`, a learned stand-in for the fused
+    target layers (k·Ht) projected like them; each sees the real anchors before it and the mask
+    positions before it, and drafts the token its depth predicts. Trained on the alignment steps with
+    those inputs in place of the drafter's own tokens and outputs (`train/drafter.alignment_hiddens`)."""
+
+    OPTIONS = (*OPTIONS, "mask_token_id")
+
+    def __init__(self, *args: Any, mask_token_id: int = 0, **options: bool):
+        super().__init__(*args, **options)
+        if not 0 <= mask_token_id < self.embed_tokens.num_embeddings:
+            raise DraftsmithError(f"mask_token_id {mask_token_id} is outside the target's vocabulary")
+        self.mask_token_id = mask_token_id
+        self.options["mask_token_id"] = mask_token_id
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, self.num_aux * self.target_hidden_size))
+
+    def mask_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (N, L), features (N, L, H)) of `length` mask positions."""
+        device = self.mask_hidden.device
+        tokens = torch.full((batch, length), self.mask_token_id, dtype=torch.long, device=device)
+        return tokens, self.project(None, self.mask_hidden.to(self.fc.weight.dtype)).expand(batch, length, -1)
 
 
 def draft_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:

@@ -53,7 +53,7 @@ def drafter_from_tensors(kind: str, tensors: dict[str, torch.Tensor], target: An
     tensors (native names)."""
     entry = drafter_kind(kind)
     embed, head = target.embed_tokens.weight.detach().float(), target.lm_head.weight.detach().float()
-    draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"] if entry.pruned_vocab else None
+    draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"] if "d2t" in tensors else None
     drafter = entry.model_class.from_target(target.config, embed, head, None, draft_ids, len(aux_layer_ids),
                                             target.hidden_size, **(options or {}))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)

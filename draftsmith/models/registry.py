@@ -44,6 +44,11 @@ class DrafterKind:
         pruned_vocab: its head drafts over a draft vocabulary (`d2t`) rather than the target's.
         speculators_algorithm: the `speculators` package's name for the kind (its model type and
             algorithm), where that package defines one.
+        speculators_architecture: the architecture a speculators config names for it.
+        options: the training hyper-parameters the model is built with (`from_target`'s keyword options),
+            stored with its exports as `drafter_options`.
+        blocks: it drafts a whole block in one forward (DFlash, DSpark), decoded by `runtime/block.py`'s
+            proposer, rather than a token per forward.
     """
 
     name: str
@@ -57,6 +62,9 @@ class DrafterKind:
     regresses_features: bool = False
     pruned_vocab: bool = False
     speculators_algorithm: str | None = None
+    speculators_architecture: str | None = None
+    options: tuple[str, ...] = ()
+    blocks: bool = False
 
     @property
     def model_class(self) -> Any:
@@ -109,12 +117,29 @@ EAGLE3 = DrafterKind(
     name="eagle3", title="an EAGLE-3 drafter", model="draftsmith.models.eagle3:Eagle3Drafter",
     trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "eagle3", "speculators"),
     frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True,
-    speculators_algorithm="eagle3")
+    speculators_algorithm="eagle3", speculators_architecture="Eagle3Speculator",
+    options=("fc_norm", "norm_before_fc", "norm_output"))
+PEAGLE = DrafterKind(
+    name="peagle", title="a P-EAGLE drafter", model="draftsmith.models.eagle3:PEagleDrafter",
+    trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "speculators"),
+    frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True, speculators_algorithm="peagle",
+    speculators_architecture="PEagleSpeculator", options=("fc_norm", "norm_before_fc", "norm_output", "mask_token_id"))
+_BLOCK_OPTIONS = ("block_size", "draft_layers", "mask_token_id", "markov_rank", "confidence_head")
+DFLASH = DrafterKind(
+    name="dflash", title="a DFlash block drafter", model="draftsmith.models.block:BlockDrafter",
+    trainer="draftsmith.train.block:BlockDrafterModule", formats=("native", "speculators"),
+    frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True, speculators_algorithm="dflash",
+    speculators_architecture="DFlashSpeculator", options=_BLOCK_OPTIONS, blocks=True)
+DSPARK = DrafterKind(
+    name="dspark", title="a DSpark block drafter", model="draftsmith.models.block:DSparkDrafter",
+    trainer="draftsmith.train.block:BlockDrafterModule", formats=("native", "speculators"),
+    frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True, speculators_algorithm="dspark",
+    speculators_architecture="DSparkSpeculator", options=_BLOCK_OPTIONS, blocks=True)
 STANDALONE = DrafterKind(
     name="standalone", title="a standalone draft LM", model=None, trainer="draftsmith.train.distill:DistillModule",
     formats=("native",), reads_features=False)
 
-DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, STANDALONE)}
+DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, PEAGLE, DFLASH, DSPARK, STANDALONE)}
 
 SPECDEC = HeadKind(
     name="specdec", title="SpecDec++ acceptance head", model="draftsmith.models.heads:AcceptanceHead",
@@ -126,6 +151,11 @@ DISCO = HeadKind(
     grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), ks=(4, 6, 8))
 
 HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (SPECDEC, DISCO)}
+
+# DSpark's confidence head is part of its drafter, not a stop head trained apart: its policy has this name,
+# `draftsmith tune` tries these thresholds (of Π c_i) and files its choice beside the stop heads'
+DRAFTER_CONFIDENCE = "dspark"
+CONFIDENCE_GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 # every export format, in the order `--help` lists them; each kind names the ones it writes
 FORMATS: tuple[str, ...] = tuple(dict.fromkeys(f for k in DRAFTER_KINDS.values() for f in k.formats))

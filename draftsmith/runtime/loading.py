@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import head_kind
+from draftsmith.models.registry import DRAFTER_CONFIDENCE, drafter_kind, head_kind
 from draftsmith.models.loading import STANDALONE_FILE, STOP_HEADS, STOP_HEADS_FILE, TOKEN_COUNTS, load_native, native_config_path
 from draftsmith.runtime.proposers import FeatureProposer, NoProposer
 from draftsmith.runtime.standalone import ModelProposer
@@ -35,6 +35,11 @@ def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tupl
         raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
     config = json.loads((path / "config.json").read_text())
     drafter_module = load_native(path, target).to(device=target.device, dtype=target.dtype)  # int buffers stay int
+    if drafter_kind(config["kind"]).blocks:
+        from draftsmith.runtime.block import BlockProposer
+
+        return BlockProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), \
+            f"{config['kind']} ({path.name}, block {drafter_module.block_size})"
     return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
 
 
@@ -81,6 +86,11 @@ def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any)
     from safetensors.torch import load_file
 
     section = json.loads(native_config_path(directory).read_text()).get(STOP_HEADS, {}).get(kind)
+    if kind == DRAFTER_CONFIDENCE:  # the drafter's own head: only its tuned settings are filed
+        if getattr(getattr(proposer, "drafter", None), "confidence_head", None) is None:
+            raise DraftsmithError(f"--policy {kind} reads a DSpark drafter's confidence head; {directory} has none "
+                                  "(train kind dspark with confidence_head: true)")
+        return None, section or {}
     if section is None or "head" not in section:
         raise DraftsmithError(f"{directory} carries no {kind} stop head: train one (recipes/*/{kind}-*.yaml) and "
                               f"`draftsmith export HEAD_RUN --format native --out {directory}`")

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC
+from draftsmith.models.registry import DISCO, DRAFTER_CONFIDENCE, HEAD_KINDS, SPECDEC
 from draftsmith.runtime.cost import CostAware
 from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePolicy
 
@@ -195,9 +195,34 @@ class ClassifierStop(TreePolicy):
         return self.keep_going(level.path[-1])
 
 
+@dataclass
+class BlockConfidence(Policy):
+    """DSpark's adaptive block: draft the next token while the confidence head's predicted chance that it
+    and every token before it are accepted, Π c_i, stays at or above `threshold`, at most k. Each c_i is
+    read before its token is drawn (`DraftStep.confidence`), so a round may draft nothing."""
+
+    head: Any = None  # the confidence head is the drafter's own: nothing to hold
+    threshold: float = 0.3
+    k: int = 8
+    name: str = DRAFTER_CONFIDENCE
+    accepted: float = field(default=1.0, repr=False)
+
+    def max_tokens(self) -> int:
+        return self.k
+
+    def keep_going(self, step: DraftStep) -> bool:
+        if step.confidence is None:
+            raise DraftsmithError("--policy dspark reads a DSpark drafter's confidence head: give a dspark export "
+                                  "trained with confidence_head: true")
+        if step.position >= self.k:
+            return False
+        self.accepted = step.confidence * (self.accepted if step.position else 1.0)
+        return self.accepted >= self.threshold
+
+
 POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware,
-            "specdec": AcceptanceStop, "disco": ClassifierStop}
-HEAD_POLICIES = tuple(HEAD_KINDS)  # policies that read a stop head from the drafter's export
+            "specdec": AcceptanceStop, "disco": ClassifierStop, DRAFTER_CONFIDENCE: BlockConfidence}
+HEAD_POLICIES = (*HEAD_KINDS, DRAFTER_CONFIDENCE)  # policies that read a stop head (tuned settings) from the export
 
 
 def make_policy(name: str, **kwargs) -> Policy:

@@ -162,6 +162,8 @@ class FeatureProposer:
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
         self.draftable = self.to_target  # target ids it can draft (None: any)
         self.gqa = drafter.fc.weight.device.type == "cpu"  # see grouped_query_sdpa
+        self.parallel = hasattr(drafter, "mask_inputs")  # P-EAGLE: tokens 2..K from one forward on mask inputs
+        self.trees = not self.parallel  # EAGLE-2 trees feed each level the drafter's own outputs
         self.graphs = None  # DrafterGraphs once enable_graphs is called
         self.reset()
 
@@ -235,8 +237,9 @@ class FeatureProposer:
             if d == depth:
                 break
             mask = chain_mask(at - 1, prefix, d)[None, None]
+            inputs = self.drafter.mask_inputs(1, len(at)) if self.parallel else (tokens[None].to(out.device), hidden[None])
             with grouped_query_sdpa(self.gqa and len(at) > 1):
-                hidden = self.forward(tokens[None].to(out.device), hidden[None], (at - 1 + d)[None], mask, self.cache)[0]
+                hidden = self.forward(*inputs, (at - 1 + d)[None], mask, self.cache)[0]
         self.reset()
 
     def _to_target(self, probs: torch.Tensor) -> torch.Tensor:
@@ -246,6 +249,8 @@ class FeatureProposer:
     @under_packed_linears
     def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Draft:
+        if self.parallel:
+            return self._parallel(sequence, policy, k, sampling, generator)
         if self.graphs is not None and policy.fixed_length:
             if min(k, policy.max_tokens()) <= 0:
                 return _empty(self.vocab_size)
@@ -267,6 +272,35 @@ class FeatureProposer:
                 mask = torch.ones(1, 1, 1, keys, dtype=torch.bool, device=hidden.device)
                 hidden = self.forward(torch.tensor([[x]], device=hidden.device), hidden, position, mask, self.cache)
                 self.forwards += 1
+        if not tokens:
+            return _empty(self.vocab_size)
+        return tokens, torch.stack(scaled), torch.stack(raw)
+
+    def _parallel(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> Draft:
+        """P-EAGLE: the first token from the last anchor's state, tokens 2..k from one forward over k − 1 mask
+        positions after the anchors (each sees the anchors and the mask positions before it; none reads a
+        drafted token, so each token's law is fixed before any is drawn)."""
+        tokens, scaled, raw = [], [], []
+        committed, hidden = len(sequence), self.hidden[0]  # (1, H): drafts token 1
+        step = DraftStep(0, hidden=hidden[0], committed=committed)
+        while len(tokens) < k and policy.keep_going(step):
+            if len(tokens) == 1:  # the rest of the draft, in one forward
+                m = k - 1
+                inputs = self.drafter.mask_inputs(1, m)
+                positions = self.anchors + torch.arange(m, device=hidden.device)[None]
+                mask = torch.ones(m, self.anchors + m, dtype=torch.bool, device=hidden.device)
+                mask[:, self.anchors:] = torch.ones(m, m, dtype=torch.bool, device=hidden.device).tril()
+                with grouped_query_sdpa(self.gqa and m > 1):
+                    rest = self.forward(*inputs, positions, mask[None, None], self.cache)[0]  # (m, H)
+                self.forwards += 1
+                hidden = torch.cat([hidden, rest])
+            r, s = self._next(hidden[len(tokens)][None, None], sampling)
+            x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
+            tokens.append(x)
+            scaled.append(s)
+            raw.append(r)
+            step = DraftStep(len(tokens), x, r, hidden[len(tokens) - 1], committed)
         if not tokens:
             return _empty(self.vocab_size)
         return tokens, torch.stack(scaled), torch.stack(raw)

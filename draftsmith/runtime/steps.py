@@ -17,13 +17,16 @@ class DraftStep:
     position: tokens drafted this round; token: the last of them (None at position 0);
     q_raw (V,): the drafter's untempered distribution that token was drawn from; hidden (H,): the
     drafter's hidden state that produced q_raw (at position 0, the state that will draft the first
-    token, where the proposer has one); committed: tokens in the sequence before this round."""
+    token, where the proposer has one); committed: tokens in the sequence before this round;
+    confidence: a block drafter's predicted chance that the next token would be accepted (DSpark's
+    confidence head), where it has one."""
 
     position: int
     token: int | None = None
     q_raw: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     committed: int = 0
+    confidence: float | None = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.models.eagle3 import OPTIONS
 from draftsmith.train.optim import adamw_warmup_cosine
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
@@ -49,15 +48,22 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     ids (B, T+1) tokens, feature (B, T, H) step-0 features at anchors 0..T-1, anchors (B, T)
     real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs;
     `detach`: read them as constants, so a later step's loss does not reach back through them.
+    A P-EAGLE drafter's steps j ≥ 1 read its mask inputs instead (`mask_inputs`): the parallel positions
+    it drafts from in one forward, which see what step j of a chain sees.
     """
     t = feature.shape[1]
     positions = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], t)
     cache, hiddens = KVBuffer(), []
+    parallel = hasattr(drafter, "mask_inputs")
     for j in range(steps):
-        if detach and j > 0:
+        tokens = shift(ids, j, t)
+        if parallel and j > 0:
+            tokens, feature = drafter.mask_inputs(ids.shape[0], t)
+        elif detach and j > 0:
             feature = feature.detach()
-        feature = drafter(shift(ids, j, t), feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
-        hiddens.append(feature)
+        out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
+        hiddens.append(out)
+        feature = out
     return hiddens
 
 
@@ -87,6 +93,8 @@ class DrafterModule(pl.LightningModule):
         fc_norm: EAGLE-3.1 (eagle3 only): an RMSNorm on each fused target layer before fc.
         norm_before_fc: EAGLE-3.1 (eagle3 only): one RMSNorm on the fused layers' concatenation (not with fc_norm).
         norm_output: EAGLE-3.1 (eagle3 only): the drafter's output normed before it is fed back to the next step.
+        mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
+            the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -108,7 +116,7 @@ class DrafterModule(pl.LightningModule):
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10, acceptance_weight: float = 0.0,
                  acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0, fc_norm: bool = False,
-                 norm_before_fc: bool = False, norm_output: bool = False,
+                 norm_before_fc: bool = False, norm_output: bool = False, mask_token_id: int | None = None,
                  feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
@@ -149,13 +157,22 @@ class DrafterModule(pl.LightningModule):
         self.drafter = kind.model_class.from_target(target.config, embed, head, target.final_norm_scale(),
                                                     self._draft_ids(target) if kind.pruned_vocab else None,
                                                     len(self.aux_layer_ids), target.hidden_size,
-                                                    **{k: self.hparams.get(k, False) for k in OPTIONS})
+                                                    **self.drafter_options(target))
         # the target's full-vocabulary head, for the distillation targets (a shared head is the drafter's own)
         self.softcap = logit_softcap(target.config)
         self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)
         if self.online:
             self._target = target
         self.drafter.to(self.device)
+
+    def drafter_options(self, target: Any) -> dict[str, Any]:
+        """The kind's model options (`DrafterKind.options`) as this module's hyper-parameters set them."""
+        options = {k: self.hparams.get(k, False) for k in self.kind.options}
+        if "mask_token_id" in options and options["mask_token_id"] in (None, False):
+            tok = target.tokenizer
+            options["mask_token_id"] = next(i for i in (tok.unk_token_id, tok.pad_token_id, tok.eos_token_id, 0)
+                                            if i is not None)
+        return options
 
     def _draft_ids(self, target: Any) -> torch.Tensor:
         """EAGLE-3's draft vocabulary: the most frequent assistant tokens of the training data."""

@@ -28,14 +28,21 @@ def feature_regression(pred: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     return _masked_mean(per_position, mask)
 
 
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """-Σ_v p(v) log q(v), q = softmax(logits): EAGLE's classification loss.
+def weighted_mean(per_position: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Σ w·l / Σ w over positions (block drafters weight each slot by its place in the block)."""
+    return (per_position * weight).sum() / weight.sum().clamp_min(1e-12)
 
-    Computed as logsumexp(z)·Σp − Σ p·z, which never materializes log q over the vocabulary.
-    """
+
+def soft_cross_entropy_per_position(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """-Σ_v p(v) log q(v) at every position, q = softmax(logits), computed as logsumexp(z)·Σp − Σ p·z,
+    which never materializes log q over the vocabulary."""
     z = logits.float()
-    per_position = torch.logsumexp(z, -1) * p.sum(-1) - (p * z).sum(-1)  # (B, T)
-    return _masked_mean(per_position, mask)
+    return torch.logsumexp(z, -1) * p.sum(-1) - (p * z).sum(-1)
+
+
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-Σ_v p(v) log q(v), q = softmax(logits): EAGLE's classification loss, averaged over `mask`."""
+    return _masked_mean(soft_cross_entropy_per_position(logits, p), mask)
 
 
 def topk_distillation(logits: torch.Tensor, p: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Tensor:
@@ -111,6 +118,12 @@ ACCEPTANCE_LOSSES = ("tv", "log", "hybrid")
 
 def acceptance_loss(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, form: str = "hybrid",
                     eta: float = 3.0) -> torch.Tensor:
+    """`acceptance_per_position` averaged over `mask`."""
+    return _masked_mean(acceptance_per_position(logits, p, form, eta), mask)
+
+
+def acceptance_per_position(logits: torch.Tensor, p: torch.Tensor, form: str = "hybrid",
+                            eta: float = 3.0) -> torch.Tensor:
     """A loss on speculative sampling's acceptance rate itself. A drafted token is accepted with
     probability α = Σ_v min(p(v), q(v)) = 1 − TV(p, q) (Leviathan et al. 2023, §3.5), q = softmax(logits);
     the LK losses (Samarin et al. 2026, arXiv:2602.23881) train on α directly, where KL and cross-entropy
@@ -136,7 +149,7 @@ def acceptance_loss(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, f
         kl = (p * (p.clamp_min(1e-30).log() - log_q)).sum(-1)  # 0·log 0 = 0
         lam = torch.exp(-eta * alpha.detach())
         per_position = lam * kl + (1 - lam) * (1 - alpha)
-    return _masked_mean(per_position, mask)
+    return per_position
 
 
 def uniform_noise(features: torch.Tensor, scale: float) -> torch.Tensor:

@@ -74,3 +74,99 @@ def drafts_as_trained(ckpt, out):
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max() < 1e-4
     assert torch.equal(drafted[0], expected.argmax(-1))  # one drafting step: the same draft tokens
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_the_speculators_package_drafts_a_block_as_the_trained_module(kind, request, tmp_path, monkeypatch):
+    """DFlash and DSpark: the package's own forward (its anchor-block attention mask, Qwen3 layers, rotary,
+    and DSpark's Markov and confidence heads) at anchors we choose gives the trained module's logits."""
+    ckpt = request.getfixturevalue(f"{kind}_ckpt")
+    export(str(ckpt), "speculators", str(tmp_path / "spec"))
+    model = package_drafter(tmp_path / "spec")
+    expected, got = block_logits_both_ways(module_from_checkpoint(load_checkpoint(ckpt)).drafter.float().eval(), model,
+                                           monkeypatch)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < 1e-4
+
+
+def test_a_block_export_in_a_wrong_layout_drafts_otherwise(dspark_ckpt, tmp_path, monkeypatch):
+    """The check above can fail: DSpark exported as DFlash's layout (its anchor slot drafting nothing) differs."""
+    import json
+
+    export(str(dspark_ckpt), "speculators", str(tmp_path / "spec"))
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    config["sample_from_anchor"] = False
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    model = package_drafter(tmp_path / "spec")
+    drafter = module_from_checkpoint(load_checkpoint(dspark_ckpt)).drafter.float().eval()
+    expected, got = block_logits_both_ways(drafter, model, monkeypatch)
+    assert got.shape != expected.shape or (got - expected).abs().max() > 1e-3
+
+
+def block_logits_both_ways(drafter, model, monkeypatch):
+    """Blocks at anchors 3 and 7 of 12 random positions, drafted by the trained module (`models/block.py`)
+    and by the package's model: each slot's logits (Markov-biased, with the confidence logit, for DSpark)."""
+    import speculators.models.dflash.core as core
+
+    from draftsmith.train.block import block_layout
+
+    g = torch.Generator().manual_seed(0)
+    t, anchors = 12, torch.tensor([3, 7])
+    ids = torch.randint(0, drafter.embed_tokens.num_embeddings, (1, t), generator=g)
+    feats = torch.randn(1, t, drafter.fc.in_features, generator=g)
+    b = drafter.block_size
+    monkeypatch.setattr(core, "select_anchors", lambda *_a, **_k: (anchors, torch.ones(2, dtype=torch.bool)))
+    with torch.no_grad():
+        positions, visible = block_layout(anchors[None], b, t)
+        context = drafter.context(drafter.project(None, feats), torch.arange(t)[None])
+        blocks = drafter.block_tokens(ids[0, anchors])  # (A, B)
+        hidden = drafter(blocks.flatten()[None], positions, context, visible)[0].view(2, b, -1)
+        mine = [drafter.logits(hidden)]
+        hidden_pkg, logits, *_ = model._backbone_forward(feats, ids, torch.ones(1, t), torch.randn(1, t, feats.shape[-1] // 3),
+                                                         torch.zeros(1, t, dtype=torch.long), max_anchors=2)
+        theirs = [logits.view(2, b, -1)]
+        if drafter.markov_head is not None:  # DSpark: slot k's previous token is block token k
+            bias, emb = drafter.markov(blocks)
+            mine = [mine[0] + bias]
+            prev = model.markov_head.prev_embeddings(blocks)
+            theirs = [theirs[0] + model.markov_head.block_bias(prev_token_ids=blocks, hidden_states=hidden_pkg.view(2, b, -1),
+                                                               prev_emb=prev)]
+            if drafter.confidence_head is not None:
+                mine.append(drafter.confidence(hidden, emb)[..., None])
+                theirs.append(model.confidence_head(torch.cat([hidden_pkg.view(2, b, -1), prev], -1))[..., None])
+        first = drafter.first_slot if model.config.sample_from_anchor == drafter.sample_from_anchor else 1 - drafter.first_slot
+        return torch.cat(mine, -1)[:, drafter.first_slot:], torch.cat(theirs, -1)[:, first:]
+
+
+def test_the_speculators_package_drafts_in_parallel_as_a_trained_peagle_drafter(peagle_ckpt, tmp_path, monkeypatch):
+    """P-EAGLE: the package's own parallel forward (its COD layout fixed to anchors we choose: every position
+    at depth 0, anchors 3 and 7 at depth 1, anchor 3 at depth 2; its mask token and mask_hidden; its
+    attention mask) gives the logits the trained module's alignment steps give the same positions."""
+    import speculators.models.peagle.core as core
+
+    from draftsmith.train.drafter import alignment_hiddens
+
+    export(str(peagle_ckpt), "speculators", str(tmp_path / "spec"))
+    model = package_drafter(tmp_path / "spec")
+    drafter = module_from_checkpoint(load_checkpoint(peagle_ckpt)).drafter.float().eval()
+    g = torch.Generator().manual_seed(0)
+    t = 12
+    ids = torch.randint(0, drafter.embed_tokens.num_embeddings, (1, t + 3), generator=g)
+    feats = torch.randn(1, t, drafter.fc.in_features, generator=g)
+    anchor_pos = torch.cat([torch.arange(t), torch.tensor([3, 7, 3])])
+    depth = torch.cat([torch.zeros(t, dtype=torch.long), torch.tensor([1, 1, 2])])
+    monkeypatch.setattr(core, "generate_cod_sample_indices", lambda **_k: (anchor_pos, depth))
+    monkeypatch.setattr(core, "compute_metrics", lambda **_k: (None, {}))  # its loss kernels want a GPU
+    captured = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    with torch.no_grad():
+        # the package reads token x_{t+1} with feature f_t at position t, the layout our anchors have
+        model(hidden_states=feats, input_ids=ids[:, 1:t + 1], document_ids=torch.zeros(1, t, dtype=torch.long),
+              loss_mask=torch.ones(1, t), verifier_last_hidden_states=torch.randn(1, t, feats.shape[-1] // 3))
+        hook.remove()
+        hiddens = alignment_hiddens(drafter, ids[:, : t + 1], drafter.project(None, feats), torch.ones(1, t, dtype=torch.bool), 3)
+        mine = torch.stack([drafter.logits(hiddens[j][0, p]) for p, j in [(3, 1), (7, 1), (3, 2)]])
+        first = drafter.logits(hiddens[0][0])
+    theirs = captured[0][0].float()
+    assert (theirs[:t] - first).abs().max() < 1e-4
+    assert (theirs[t:] - mine).abs().max() < 1e-4

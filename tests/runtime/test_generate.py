@@ -9,7 +9,7 @@ import torch
 
 from draftsmith.models.common import cache_kwargs
 from draftsmith.models.eagle import EagleDrafter
-from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.models.eagle3 import Eagle3Drafter, PEagleDrafter
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.policies import Confidence, Heuristic, Oracle, Static
@@ -30,13 +30,15 @@ def proposers(target):
         "none": NoProposer(V),
         "eagle": FeatureProposer(EagleDrafter(target.config, embed, head), V),
         "eagle3": FeatureProposer(Eagle3Drafter(target.config, embed, head, None, torch.arange(0, V, 3), 3, 32), V, [0, 1, 2]),
+        "peagle": FeatureProposer(PEagleDrafter(target.config, embed, head, None, torch.arange(0, V, 3), 3, 32,
+                                                mask_token_id=1), V, [0, 1, 2]),
         "standalone": ModelProposer(make_llama(V, seed=2, hidden=16, layers=1), V),
         "self": ModelProposer(target, V),
         "self-ranked": ModelProposer(target, V, head_ids=torch.arange(0, V, 2)),  # drafts even ids only
     }
 
 
-@pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "standalone", "self", "self-ranked"])
+@pytest.mark.parametrize("kind", ["none", "eagle", "eagle3", "peagle", "standalone", "self", "self-ranked"])
 @pytest.mark.parametrize("policy", [lambda: Static(3), lambda: Heuristic(2), lambda: Confidence(0.05, 5),
                                     lambda: CostAware(5, cost=0.01)])
 def test_greedy_output_is_the_targets_own(target, kind, policy):

@@ -1,0 +1,252 @@
+"""The drafter kinds against each other: the same features, the same training wall time, one run.
+
+Six arms train on the embedded default's 800-chat features (runs/smollm2-135m/features-sharegpt-800,
+extracted first when missing): eagle3 (recipes/smollm2-135m/eagle3-cpu.yaml as it is), eagle31 (the same
+with EAGLE-3.1's fc_norm and norm_output), eagle3_lk (the same drafter trained on the hybrid
+acceptance-direct loss alone, no cross-entropy), peagle, dflash and dspark (their -cpu recipes). Every
+arm gets the same wall time (`--minutes`, default the eagle3-cpu recipe's 20-minute budget): a short
+calibration run times its steps, and its schedule is set to the steps that fit (`--trainer.max_time`
+stops it at the budget either way). Each arm then reports its validation τ̂ (val/tau: the greedy
+chain of its trained length, or its block) and decodes the same MT-bench first turns (`--prompts`,
+128 tokens each) in this process, the target's dtype chosen once (`--dtype auto`):
+
+- greedy and T = 1 chains at the kind's length (eagle3 family 3, P-EAGLE 4, DFlash 7, DSpark 8), and
+  greedy EAGLE-2 trees `--tree` for the kinds that have them;
+- DSpark also with its confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on
+  held-out chats (never the benchmark's prompts);
+- autoregressive decoding of the same prompts before and after the arms (their mean is the baseline).
+
+Per decode: τ, the drafter's milliseconds per round, a round's cost in target steps (round time ÷ the
+autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's best greedy speedup
+÷ eagle3's. A plot of τ and speedup by kind goes to `--out`/drafter_kinds.png.
+
+    python benchmarks/drafter_kinds.py [--minutes 20] [--prompts 20] [--kinds eagle3,dflash,...]
+
+Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
+ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t1_eagle3=...
+ratio_dspark_confidence=...` (tau_*: greedy chains; ratio_dspark_confidence: the confidence policy ÷ the
+fixed block). Trained arms are kept under `--out`/<arm>: a rerun with the same settings reuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from harness import machine, parser
+
+ROOT = Path(__file__).resolve().parents[1]
+EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
+ARMS = {  # arm: (recipe, overrides, chain length, has trees)
+    "eagle3": (EAGLE3, (), 3, True),
+    "eagle31": (EAGLE3, ("--model.init_args.fc_norm", "true", "--model.init_args.norm_output", "true"), 3, True),
+    "eagle3_lk": (EAGLE3, ("--model.init_args.ce_weight", "0.0", "--model.init_args.acceptance_weight", "1.0",
+                           "--model.init_args.acceptance_loss", "hybrid"), 3, True),
+    "peagle": ("recipes/smollm2-135m/peagle-cpu.yaml", (), 4, False),
+    "dflash": ("recipes/smollm2-135m/dflash-cpu.yaml", (), 7, False),
+    "dspark": ("recipes/smollm2-135m/dspark-cpu.yaml", (), 8, False),
+}
+
+
+def build(recipe: str, overrides: tuple[str, ...], steps: int, out: Path, max_time: str | None = None):
+    from draftsmith.train.cli import lightning_cli
+
+    args = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(out),
+            "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
+            "--trainer.val_check_interval", str(steps + 1), "--trainer.enable_progress_bar", "false", *overrides]
+    if max_time:
+        args += ["--trainer.max_time", max_time]
+    return lightning_cli(args, run=False)
+
+
+def seconds_per_step(recipe: str, overrides: tuple[str, ...], out: Path) -> float:
+    """A step's wall time: two short runs (6 and 26 steps), their difference over 20 steps (start-up cancels)."""
+    times = []
+    for steps in (6, 26):
+        cli = build(recipe, overrides, steps, out / "calibrate")
+        start = time.perf_counter()
+        cli.trainer.fit(cli.model, cli.datamodule)
+        times.append(time.perf_counter() - start)
+    return max((times[1] - times[0]) / 20, 1e-3)
+
+
+def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
+    """Train arm `name` for `minutes` of wall time (reused when trained before with the same settings)."""
+    recipe, overrides, _, _ = ARMS[name]
+    out.mkdir(parents=True, exist_ok=True)
+    done, record = out / "trained.ckpt", out / "arm.json"
+    kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
+    key = {"recipe": recipe, "overrides": list(overrides), "minutes": minutes}
+    if kept.get("key") == key:
+        print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
+        cli = build(recipe, overrides, kept["steps"], out)
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
+        info = kept
+    else:
+        per_step = seconds_per_step(recipe, overrides, out)
+        steps = max(20, int(minutes * 60 / per_step))
+        budget = f"00:00:{int(minutes):02d}:{int(minutes % 1 * 60):02d}"
+        print(f"{name}: {per_step:.2f} s a step: {steps} steps in {minutes:g} min", flush=True)
+        cli = build(recipe, overrides, steps, out, max_time=budget)
+        start = time.perf_counter()
+        cli.trainer.fit(cli.model, cli.datamodule)
+        info = {"key": key, "steps": steps, "trained_steps": cli.trainer.global_step, "seconds_per_step": per_step,
+                "seconds": time.perf_counter() - start}
+        cli.trainer.save_checkpoint(done, weights_only=False)
+        record.write_text(json.dumps(info))
+    metrics = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]
+    info = {**info, "val_tau": metrics["val/tau"], "val_tau_t1": metrics["val/tau_t1"]}
+    print(f"{name}: {info['trained_steps']} steps in {info['seconds']:.0f} s, val tau {info['val_tau']:.3f} "
+          f"(T=1 {info['val_tau_t1']:.3f})", flush=True)
+    return cli.model, info
+
+
+def timed(proposer: object) -> list[float]:
+    """Wrap the proposer's propose (and tree drafting) to record each call's seconds."""
+    spent: list[float] = []
+    for method in ("propose", "propose_tree"):
+        inner = getattr(proposer, method, None)
+        if inner is None:
+            continue
+
+        def wrapper(*a, _inner=inner, **k):
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spent.append(time.perf_counter() - start)
+        setattr(proposer, method, wrapper)
+    return spent
+
+
+def decode(runner, proposer, prompts, policy, sampling, eos, tree=None) -> dict:
+    from draftsmith.eval.acceptance import acceptance_stats, decode_all
+
+    spent = timed(proposer)
+    start = time.perf_counter()
+    results = decode_all(runner, proposer, prompts, 128, lambda _: policy(), sampling, eos, seed=0, tree=tree)
+    seconds = time.perf_counter() - start
+    stats = acceptance_stats(results)
+    rounds = sum(len(r.rounds) for r in results)
+    tokens = sum(len(r.tokens) for r in results)
+    return {"tau": stats["tau"], "alpha": stats["alpha"], "tokens_per_second": tokens / seconds,
+            "seconds_per_round": seconds / max(rounds, 1), "drafter_ms": 1e3 * sum(spent) / max(len(spent), 1)}
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time per arm")
+    ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns decoded (128 tokens each)")
+    ap.add_argument("--kinds", default=",".join(ARMS), help="the arms, comma-separated (eagle3 always runs)")
+    ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS of the trees decoded (static policy)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "drafter_kinds"))
+    args = ap.parse_args()
+    import copy
+
+    from rich.console import Console
+
+    from draftsmith.eval.prompts import first_turn_ids
+    from draftsmith.eval.tune import TuneConfig, tune
+    from draftsmith.export import export
+    from draftsmith.models.target import load_target
+    from draftsmith.pipeline import ensure_features
+    from draftsmith.runtime.block import BlockProposer
+    from draftsmith.runtime.policies import BlockConfidence, Static
+    from draftsmith.runtime.proposers import FeatureProposer, NoProposer
+    from draftsmith.runtime.runner import TargetRunner
+    from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.runtime.tree import TreeShape
+
+    arms = ["eagle3"] + [k for k in args.kinds.split(",") if k in ARMS and k != "eagle3"]
+    out = Path(args.out)
+    ensure_features(ROOT / EAGLE3, Console(stderr=True), "extract for the drafter kinds")
+    trained = {name: train_arm(name, args.minutes, out / name) for name in arms}
+
+    target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
+    prompts = first_turn_ids(target, "mtbench", args.prompts)
+    eos = target.eos_token_ids
+    greedy, t1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+    plain = NoProposer(target.vocab_size)
+    base_runner = TargetRunner(target.model, [])
+    baseline = [decode(base_runner, plain, prompts, lambda: Static(0), greedy, eos)]
+    rows: dict[str, dict] = {}
+    for name in arms:
+        module, info = trained[name]
+        _, _, k, trees = ARMS[name]
+        drafter = copy.deepcopy(module.drafter).to(dtype=target.dtype).eval()
+        make = (lambda: BlockProposer(drafter, target.vocab_size, module.aux_layer_ids)) if module.kind.blocks else \
+            (lambda: FeatureProposer(drafter, target.vocab_size, module.aux_layer_ids))
+        runner = TargetRunner(target.model, module.aux_layer_ids)
+        row = {"val_tau": info["val_tau"], "val_tau_t1": info["val_tau_t1"], "steps": info["trained_steps"],
+               "chain": decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
+               "chain_t1": decode(runner, make(), prompts, lambda: Static(k), t1, eos)}
+        if trees:
+            shape = TreeShape.parse(args.tree)
+            row["tree"] = decode(runner, make(), prompts, lambda: Static(shape.depth), greedy, eos, tree=shape)
+        if name == "dspark":  # its confidence policy, the threshold tuned on held-out chats
+            native = out / name / "native"
+            export(str(out / name / "trained.ckpt"), "native", str(native))
+            chosen = tune(TuneConfig(target="embedded:smollm2-135m-instruct", drafter=str(native), policy="dspark",
+                                     ks=[k], limit=4, repeats=1, max_new_tokens=64, dtype=args.dtype))
+            row["confidence_threshold"] = chosen["threshold"]
+            row["confidence"] = decode(runner, make(), prompts,
+                                       lambda: BlockConfidence(threshold=chosen["threshold"], k=k), greedy, eos)
+        rows[name] = row
+        print(f"{name}: " + "; ".join(f"{mode} tau {r['tau']:.3f}, {r['tokens_per_second']:.1f} tok/s, drafter "
+                                      f"{r['drafter_ms']:.1f} ms a round" for mode, r in row.items() if isinstance(r, dict)),
+              flush=True)
+    baseline.append(decode(base_runner, plain, prompts, lambda: Static(0), greedy, eos))
+    ar_tps = sum(b["tokens_per_second"] for b in baseline) / len(baseline)
+    ar_step = sum(b["seconds_per_round"] for b in baseline) / len(baseline)
+    for row in rows.values():
+        for r in row.values():
+            if isinstance(r, dict):
+                r["speedup"] = r["tokens_per_second"] / ar_tps
+                r["round_cost"] = r["seconds_per_round"] / ar_step
+    best = {name: max(r["speedup"] for mode, r in row.items() if isinstance(r, dict) and mode != "chain_t1")
+            for name, row in rows.items()}
+    (out / "results.json").write_text(json.dumps({"rows": rows, "autoregressive": baseline, "machine": machine(),
+                                                  "minutes": args.minutes, "dtype": target.dtype_name}, indent=2))
+    print(f"autoregressive: {ar_tps:.1f} tok/s ({target.dtype_name}, {machine()})")
+    for name, row in rows.items():
+        for mode, r in row.items():
+            if isinstance(r, dict):
+                print(f"{name:10s} {mode:10s} tau {r['tau']:.3f}  {r['tokens_per_second']:6.1f} tok/s  "
+                      f"speedup {r['speedup']:.2f}x  round {r['round_cost']:.2f} target steps  "
+                      f"drafter {r['drafter_ms']:.1f} ms")
+    plot(rows, out / "drafter_kinds.png")
+    keys = {f"tau_{n}": f"{rows[n]['chain']['tau']:.3f}" for n in rows}
+    keys |= {f"ratio_{n}": f"{best[n] / best['eagle3']:.3f}" for n in rows if n != "eagle3"}
+    keys |= {f"tau_t1_{n}": f"{rows[n]['chain_t1']['tau']:.3f}" for n in ("eagle3_lk", "eagle3") if n in rows}
+    if "dspark" in rows:
+        keys["ratio_dspark_confidence"] = f"{rows['dspark']['confidence']['speedup'] / rows['dspark']['chain']['speedup']:.3f}"
+    keys["minutes"] = f"{args.minutes:g}"
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in keys.items()))
+
+
+def plot(rows: dict, path: Path) -> None:
+    """τ and speedup by kind, one bar per decode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ["chain", "chain_t1", "tree", "confidence"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(rows)
+    for ax, key, title in ((axes[0], "tau", "acceptance length τ"), (axes[1], "speedup", "speedup over autoregressive")):
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            values = [rows[n][mode][key] if mode in rows[n] else 0 for n in names]
+            ax.bar([x + i * width for x in range(len(names))], values, width, label=mode)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The block proposer: DFlash and DSpark drafters draft a round's tokens in one forward.
+
+The drafter's context keys and values (every layer's, made from the target's fused features) are
+kept for every committed position but the newest: `observe` appends those of the tokens the last
+round committed. A round runs one forward over the block — the pending token, then mask tokens —
+and draws the drafted tokens from its slots in order: each slot's law is fixed by that forward
+(DFlash), or also by the token drawn before it through DSpark's Markov bias. Each drafted token is
+drawn from the distribution returned with it, so verification (a chain) is lossless as for any
+proposer. A policy is asked before each token (`DraftStep.confidence`: DSpark's predicted chance that
+the next token is accepted, read by the `block-confidence` policy).
+
+Notation: B block size, D tokens a block drafts (B − 1 or B), T context positions, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftsmith.runtime.proposers import Draft, _empty, _in_target_vocab
+from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
+from draftsmith.runtime.steps import DraftStep, Policy
+
+
+class ContextCache:
+    """Every layer's context keys and values, (1, kv, T, hd), grown in place (capacity doubles)."""
+
+    def __init__(self) -> None:
+        self.layers: list[list[torch.Tensor]] = []
+        self.length = 0
+
+    def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = layers[0][0].shape[2]
+        if not self.layers:
+            self.layers = [[k.new_empty(*k.shape[:2], max(64, 2 * n), k.shape[3]) for k in kv] for kv in layers]
+        room = self.layers[0][0].shape[2]
+        if self.length + n > room:
+            grown = max(2 * room, self.length + n)
+            self.layers = [[torch.cat([t[:, :, :self.length], t.new_empty(*t.shape[:2], grown - self.length, t.shape[3])], 2)
+                            for t in kv] for kv in self.layers]
+        for stored, new in zip(self.layers, layers):
+            for t, x in zip(stored, new):
+                t[:, :, self.length:self.length + n] = x
+        self.length += n
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.layers]
+
+
+class BlockProposer:
+    """Drafts with a block drafter (`models/block.py`), fed the target features verification produced."""
+
+    def __init__(self, drafter: Any, vocab_size: int, aux_layer_ids: list[int] | None = None):
+        self.drafts, self.needs_features = True, True
+        self.drafter = drafter.eval()
+        self.vocab_size = vocab_size
+        self.aux_layer_ids = list(aux_layer_ids or [])
+        self.to_target = drafter.draft_to_target
+        self.draftable = self.to_target
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.pending, self.forwards = ContextCache(), None, 0
+
+    @torch.no_grad()
+    def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """The n committed tokens' features (n, k·Ht) join the context; the last token is the next anchor."""
+        drafter = self.drafter
+        n = len(next_tokens)
+        positions = torch.arange(self.cache.length, self.cache.length + n, device=aux.device)[None]
+        self.cache.append(drafter.context(drafter.project(None, aux[None].to(drafter.fc.weight.dtype)), positions))
+        self.pending = next_tokens[-1]
+
+    @torch.no_grad()
+    def block(self, anchor: int) -> torch.Tensor:
+        """The normed hidden states (B, H) of the block after the context, anchored at `anchor`."""
+        drafter, device = self.drafter, self.drafter.fc.weight.device
+        tokens = drafter.block_tokens(torch.tensor([anchor], device=device))  # (1, B)
+        positions = self.cache.length + torch.arange(drafter.block_size, device=device)[None]
+        visible = torch.ones(1, 1, self.cache.length, dtype=torch.bool, device=device)
+        self.forwards += 1
+        return drafter(tokens, positions, self.cache.view(), visible)[0]
+
+    @torch.no_grad()
+    def propose(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Draft:
+        drafter = self.drafter
+        k = min(k, drafter.drafts_per_block)
+        committed, prev = len(sequence), sequence[-1]
+        if k <= 0:
+            return _empty(self.vocab_size)
+        # DSpark's confidence in the first token comes from the block's forward, run before the policy's
+        # first question (and wasted when it drafts nothing); DFlash's policies ask before running it
+        hidden = self.block(prev)[drafter.first_slot:] if drafter.confidence_head is not None else None
+        first = self._confidence(hidden[0], prev) if hidden is not None else None
+        if not policy.keep_going(DraftStep(0, committed=committed, confidence=first)):
+            return _empty(self.vocab_size)
+        if hidden is None:
+            hidden = self.block(prev)[drafter.first_slot:]  # (D, H): row j drafts token j + 1
+        base = drafter.logits(hidden).float()
+        tokens, scaled, raw = [], [], []
+        for j in range(k):
+            logits, confidence = self._slot(base[j], hidden[j], prev)
+            if j and not policy.keep_going(DraftStep(j, tokens[-1], raw[-1], hidden[j - 1], committed, confidence)):
+                break
+            r, s = distributions(logits, sampling)
+            r, s = _in_target_vocab(r, self.to_target, self.vocab_size), _in_target_vocab(s, self.to_target, self.vocab_size)
+            prev = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
+            tokens.append(prev)
+            scaled.append(s)
+            raw.append(r)
+        return tokens, torch.stack(scaled), torch.stack(raw)
+
+    def _slot(self, logits: torch.Tensor, hidden: torch.Tensor, prev: int) -> tuple[torch.Tensor, float | None]:
+        """A slot's logits (Vd,) with DSpark's Markov bias from the token before it, and its confidence
+        (the predicted chance that the slot's token is accepted)."""
+        bias, embedding = self.drafter.markov(torch.tensor(prev, device=hidden.device))
+        if bias is None:
+            return logits, None
+        confidence = None
+        if self.drafter.confidence_head is not None:
+            confidence = float(torch.sigmoid(self.drafter.confidence(hidden, embedding)))
+        return logits + bias.float(), confidence
+
+    def _confidence(self, hidden: torch.Tensor, prev: int) -> float:
+        _, embedding = self.drafter.markov(torch.tensor(prev, device=hidden.device))
+        return float(torch.sigmoid(self.drafter.confidence(hidden, embedding)))

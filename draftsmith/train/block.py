@@ -1,0 +1,163 @@
+"""LightningModule for block drafters (DFlash, DSpark): random anchors, one forward for all their blocks.
+
+Per sequence, `anchors` positions a are drawn among those whose next token is an assistant token
+(without replacement; fixed per batch in validation). Each anchor's block — x_a then mask tokens at
+positions a .. a+B−1 — sees the context features of positions < a and its own block (`models/block.py`),
+so all blocks of a batch run in one forward over shared context keys. Slot i predicts x_{a+i+s}
+(s = 1 for DSpark, 0 for DFlash, whose slot 0 predicts nothing) against the target's distribution
+there, weighted w_i = exp(−(i − first)/γ) (DFlash's position decay) and averaged by Σw.
+
+DSpark adds the Markov bias (teacher-forced: the previous token is the data's) and trains its
+confidence head with binary cross-entropy against each slot's acceptance rate α = Σ min(p, q) under
+speculative sampling at T = 1 (the expectation of the accept/reject outcome, a label of lower variance
+than a draw); validation scores the head with torchmetrics' AUROC and calibration error against drawn
+outcomes Bernoulli(α) (a fixed generator), the labels a decode would see.
+
+Notation: N sequences, L positions, A anchors, B block, H hidden, Vd draft vocabulary, M selected slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
+
+from draftsmith import DraftsmithError
+from draftsmith.models.registry import DFLASH
+from draftsmith.train.drafter import DrafterModule
+from draftsmith.train.losses import acceptance_per_position, soft_cross_entropy_per_position, weighted_mean
+from draftsmith.train.metrics import DraftAcceptance
+
+
+def draw_anchors(eligible: torch.Tensor, count: int, generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` eligible positions per row of eligible (N, L), without replacement, sorted:
+    (anchors (N, count) long, real (N, count) bool); rows with fewer fill with position 0, not real."""
+    n, length = eligible.shape
+    noise = torch.rand(n, length, generator=generator, device="cpu").to(eligible.device)
+    score = torch.where(eligible, noise, torch.full_like(noise, 2.0))  # ineligible sort last
+    order = score.argsort(-1)[:, :count]
+    real = eligible.gather(1, order)
+    anchors = torch.where(real, order, torch.zeros_like(order))
+    anchors, perm = torch.sort(torch.where(real, anchors, torch.full_like(anchors, length)), -1)
+    real = real.gather(1, perm)
+    return torch.where(real, anchors, torch.zeros_like(anchors)), real
+
+
+def block_layout(anchors: torch.Tensor, block: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (N, A·B) of every block slot (anchor + i) and which context positions each block sees,
+    (N, A, L): those before its anchor."""
+    positions = (anchors[..., None] + torch.arange(block, device=anchors.device)).flatten(1)
+    visible = torch.arange(length, device=anchors.device)[None, None] < anchors[..., None]
+    return positions, visible
+
+
+class BlockDrafterModule(DrafterModule):
+    """Train a DFlash or DSpark block drafter (`kind: dflash | dspark`) on the same feature shards as EAGLE-3.
+
+    Args:
+        block_size: B, the block's slots: the anchor and B − 1 mask tokens (DFlash drafts B − 1 tokens a
+            round, DSpark B).
+        draft_layers: the drafter's decoder layers.
+        anchors: blocks trained per sequence and step.
+        decay_gamma: γ of the per-slot loss weight exp(−(i − first)/γ).
+        markov_rank: r of DSpark's sequential bias W2·W1[prev] (0: none; DSpark only).
+        confidence_head: DSpark's per-slot acceptance head (needs markov_rank > 0).
+        confidence_weight: weight of the confidence head's cross-entropy.
+        **kwargs: DrafterModule's settings (target, kind, aux_layer_ids, draft_vocab_size, mask_token_id,
+            ce_weight, acceptance_weight, acceptance_loss, lr, ...); the EAGLE settings (alignment_steps, feature
+            regression, Top-K) do not apply.
+    """
+
+    def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0, markov_rank: int = 0, confidence_head: bool = False,
+                 confidence_weight: float = 1.0, **kwargs: Any):
+        kwargs.setdefault("kind", DFLASH.name)
+        super().__init__(**kwargs)
+        if not self.kind.blocks:
+            raise DraftsmithError(f"BlockDrafterModule trains block drafters (dflash, dspark), not {self.kind.title}")
+        if anchors < 1 or decay_gamma <= 0:
+            raise DraftsmithError(f"anchors must be >= 1 and decay_gamma > 0, got {anchors} and {decay_gamma}")
+        if self.hparams.topk_weight or self.hparams.alignment_steps != 1:
+            raise DraftsmithError("topk_weight and alignment_steps are EAGLE settings; a block drafter trains "
+                                  "with ce_weight and acceptance_weight")
+        first = 0 if self.kind.model_class.sample_from_anchor else 1
+        self.val_metric = DraftAcceptance(block_size - first, self.hparams.metric_top_k)
+        self.val_auroc, self.val_ece = BinaryAUROC(), BinaryCalibrationError(n_bins=10)
+
+    def alignment_forward(self, batch: dict[str, Any], with_metrics: bool) -> dict[str, torch.Tensor]:
+        h, drafter = self.hparams, self.drafter
+        ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+        final, aux = self._features(batch)
+        dtype = drafter.fc.weight.dtype
+        final, aux = final.to(dtype), aux.to(dtype)
+        n, length = ids.shape
+        carries = batch["loss_mask"].bool() & valid  # (N, L): x_i is a real assistant token
+        row, table, top1 = self._target_table(final, carries, with_metrics)
+        eligible = valid & F.pad(carries[:, 1:], (0, 1))  # the anchor's next token carries loss
+        generator = None if self.training else torch.Generator().manual_seed(0)
+        anchors, real = draw_anchors(eligible, h.anchors, generator)  # (N, A)
+        b, first = drafter.block_size, drafter.first_slot
+        positions, visible = block_layout(anchors, b, length)
+        context = drafter.context(drafter.project(None, aux), torch.arange(length, device=ids.device)[None].expand(n, -1))
+        tokens = drafter.block_tokens(ids.gather(1, anchors))  # (N, A, B)
+        hidden = drafter(tokens.flatten(1), positions, context, visible).view(*tokens.shape, -1)  # (N, A, B, H)
+        slots = torch.arange(b, device=ids.device)
+        at = anchors[..., None] + slots + (1 - first)  # (N, A, B): the position each slot predicts
+        inside = at < length
+        at = at.clamp_max(length - 1)
+        sel = real[..., None] & inside & (slots >= first) & carries.gather(1, at.flatten(1)).view_as(at)
+        if not sel.any():
+            return {"loss": sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)}
+        rows = row.gather(1, at.flatten(1)).view_as(at)[sel]  # (M,)
+        prev = ids.gather(1, (at - 1).clamp_min(0).flatten(1)).view_as(at)[sel]  # the token before each predicted one
+        picked, slot = hidden[sel], slots.expand_as(at)[sel]
+        weight = torch.exp(-(slot - first).float() / h.decay_gamma)
+        logits = drafter.logits(picked).float()
+        bias, embedding = drafter.markov(prev)
+        if bias is not None:
+            logits = logits + bias.float()
+        p = table[rows]
+        parts, total = {}, 0.0
+        if h.ce_weight:
+            parts["distill"] = weighted_mean(soft_cross_entropy_per_position(logits, p), weight)
+            total = h.ce_weight * parts["distill"]
+        q = logits.softmax(-1)
+        alpha = torch.minimum(p, q).sum(-1)  # (M,) acceptance at T = 1
+        if h.acceptance_weight:
+            parts["acceptance"] = weighted_mean(acceptance_per_position(logits, p, h.acceptance_loss,
+                                                                        h.acceptance_eta), weight)
+            total = total + h.acceptance_weight * parts["acceptance"]
+        if drafter.confidence_head is not None:
+            confidence = drafter.confidence(picked, embedding).float()
+            parts["confidence"] = weighted_mean(
+                F.binary_cross_entropy_with_logits(confidence, alpha.detach(), reduction="none"), weight)
+            total = total + h.confidence_weight * parts["confidence"]
+            if with_metrics:
+                draws = torch.rand(len(alpha), generator=torch.Generator().manual_seed(1)).to(alpha.device)
+                outcome = (draws < alpha.detach()).long()
+                self.val_auroc.update(confidence.sigmoid(), outcome)
+                self.val_ece.update(confidence.sigmoid(), outcome)
+        if with_metrics:
+            self._score_slots(slot - first, logits, top1[rows], alpha)
+        return {"loss": total, **parts}
+
+    @torch.no_grad()
+    def _score_slots(self, slot: torch.Tensor, logits: torch.Tensor, target_top1: torch.Tensor,
+                     alpha: torch.Tensor) -> None:
+        top = logits.topk(min(self.hparams.metric_top_k, logits.shape[-1]), -1).indices
+        to_target = self.drafter.draft_to_target
+        top = top if to_target is None else to_target[top]
+        for j in range(self.val_metric.num_steps):
+            here = slot == j
+            if here.any():
+                self.val_metric.update(j, top[here], target_top1[here], alpha[here])
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        if self.drafter.confidence_head is not None and self.val_auroc.update_count:
+            self.log("val/confidence_auroc", self.val_auroc.compute(), sync_dist=False)
+            self.log("val/confidence_ece", self.val_ece.compute(), sync_dist=False)
+        self.val_auroc.reset()
+        self.val_ece.reset()

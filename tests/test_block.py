@@ -1,0 +1,87 @@
+"""DFlash and DSpark through the CLI: `fit` from the same feature shards as EAGLE-3, both export formats
+(each reloaded and compared), `eval` with exactly the target's greedy text, DSpark's confidence policy
+tuned by `tune` and read back by `eval`, and the refusals a user meets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith import DraftsmithError
+from tests.conftest import run_cli
+
+
+def evaluate(features, drafter, out, *args):
+    result = run_cli("eval", "--target", str(features / "target"), "--drafter", str(drafter), "--limit", "2",
+                     "--repeats", "1", "--max_new_tokens", "16", "--dtype", "float32", "--out", str(out), *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_block_drafter_exports_and_decodes_the_targets_text(kind, request, tiny_features, tmp_path):
+    ckpt = request.getfixturevalue(f"{kind}_ckpt")
+    for fmt in ("native", "speculators"):  # each export is reloaded and its blocks compared with the module's
+        done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert done.returncode == 0, done.stderr[-3000:]
+    native = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert native["kind"] == kind and native["drafter_options"]["block_size"] == 4
+    spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == kind and spec["block_size"] == 4
+    assert spec["sample_from_anchor"] is (kind == "dspark")
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (4 if kind == "dspark" else 3)
+    tensors = load_file(str(tmp_path / "speculators" / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (40, 32) and tensors["layers.0.self_attn.q_norm.weight"].shape == (8,)
+    assert ("markov_head.markov_w1.weight" in tensors) is (kind == "dspark")
+    result = evaluate(tiny_features, tmp_path / "native", tmp_path / "eval", "--policy", "static", "--k", "8")
+    assert result["identical_outputs"] is True
+
+
+def test_dspark_confidence_policy_is_tuned_and_read_back(dspark_ckpt, tiny_features, tmp_path):
+    assert run_cli("export", str(dspark_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
+    tuned = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                    "--policy", "dspark", "--data", str(tiny_features / "chats.json"), "--limit", "2", "--repeats", "1",
+                    "--max_new_tokens", "12", "--thresholds", "[0.0,0.99]", "--dtype", "float32")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    section = json.loads((tmp_path / "d" / "config.json").read_text())["stop_heads"]["dspark"]["tuned"]["greedy"]
+    assert {p["threshold"] for p in section["grid"]} == {0.0, 0.99} and section["k"] == 8
+    result = evaluate(tiny_features, tmp_path / "d", tmp_path / "eval", "--policy", "dspark")
+    assert result["identical_outputs"] is True
+    assert f"threshold {section['threshold']:g}" in result["config"]["drafter"]
+
+
+def test_block_drafters_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, tmp_path):
+    from draftsmith.models.block import BlockDrafter
+    from draftsmith.train.block import BlockDrafterModule
+
+    refused = run_cli("export", str(dflash_ckpt), "--format", "eagle3", "--out", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "this is a DFlash block drafter: use --format speculators" in refused.stderr
+    assert run_cli("export", str(dflash_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
+    tree = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"), "--limit", "1",
+                   "--max_new_tokens", "8", "--tree", "3,2,6", "--policy", "static", "--out", str(tmp_path / "e"))
+    assert tree.returncode != 0 and "drafts chains: drop --tree" in tree.stderr
+    no_head = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"), "--limit", "1",
+                      "--max_new_tokens", "8", "--policy", "dspark", "--out", str(tmp_path / "e"))
+    assert no_head.returncode != 0 and "confidence head" in no_head.stderr
+    with pytest.raises(DraftsmithError, match="trains block drafters"):
+        BlockDrafterModule(target=str(tiny_features / "target"), kind="eagle3")
+    w = torch.randn(50, 32)
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=50, num_hidden_layers=2)
+    with pytest.raises(DraftsmithError, match="train kind dspark"):
+        BlockDrafter.from_target(config, w, w, None, None, 3, 32, markov_rank=4)
+    with pytest.raises(DraftsmithError, match="block_size must be >= 2"):
+        BlockDrafter.from_target(config, w, w, None, None, 3, 32, block_size=1)
+
+
+def test_the_registry_names_the_block_drafters_options():
+    from draftsmith.models import block
+    from draftsmith.models.registry import DFLASH, DSPARK
+
+    assert DFLASH.options == DSPARK.options == block.OPTIONS
+    assert DFLASH.model_class.sample_from_anchor is False and DSPARK.model_class.sample_from_anchor is True
