@@ -11,7 +11,8 @@ chain of its trained length, or its block) and decodes the same MT-bench first t
 128 tokens each) in this process, the target's dtype chosen once (`--dtype auto`):
 
 - greedy and T = 1 chains at the kind's length (eagle3 family 3, P-EAGLE 4, DFlash 7, DSpark 8), and
-  greedy EAGLE-2 trees `--tree` for the kinds that have them;
+  greedy EAGLE-2 trees within `--tree`, sized by measured cost (`eval`'s default), for the kinds that
+  have them;
 - DSpark also with its confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on
   held-out chats (never the benchmark's prompts);
 - autoregressive decoding of the same prompts before and after the arms (their mean is the baseline).
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=20.0, help="training wall time per arm")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns decoded (128 tokens each)")
     ap.add_argument("--kinds", default=",".join(ARMS), help="the arms, comma-separated (eagle3 always runs)")
-    ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS of the trees decoded (static policy)")
+    ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS: the largest tree decoded (cost policy)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "drafter_kinds"))
     args = ap.parse_args()
@@ -153,6 +154,7 @@ def main() -> None:
     from draftsmith.models.target import load_target
     from draftsmith.pipeline import ensure_features
     from draftsmith.runtime.block import BlockProposer
+    from draftsmith.runtime.cost import TreeCost, TreeCostMeter
     from draftsmith.runtime.policies import BlockConfidence, Static
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.runner import TargetRunner
@@ -183,8 +185,8 @@ def main() -> None:
                "chain": decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
                "chain_t1": decode(runner, make(), prompts, lambda: Static(k), t1, eos)}
         if trees:
-            shape = TreeShape.parse(args.tree)
-            row["tree"] = decode(runner, make(), prompts, lambda: Static(shape.depth), greedy, eos, tree=shape)
+            shape, meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
+            row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=meter), greedy, eos, tree=shape)
         if name == "dspark":  # its confidence policy, the threshold tuned on held-out chats
             native = out / name / "native"
             export(str(out / name / "trained.ckpt"), "native", str(native))

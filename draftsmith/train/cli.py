@@ -74,6 +74,10 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
         def after_instantiate_classes(self) -> None:
             super().after_instantiate_classes()
             self.trainer.callbacks.append(save_on_sigterm())
+            from draftsmith.train.progress import ProgressLog
+
+            if not any(isinstance(c, ProgressLog) for c in self.trainer.callbacks):
+                self.trainer.callbacks.append(ProgressLog())
             if self.resume_from is not None:
                 keep_checkpoints_beside(self.trainer, Path(self.resume_from))
 

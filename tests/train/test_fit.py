@@ -341,3 +341,37 @@ def test_fit_without_a_logger_writes_nothing_into_the_working_directory(tiny_fea
     bare = run_cli("fit", "--config", str(path), cwd=str(cwd), here=True)
     assert bare.returncode == 0, bare.stderr[-3000:]
     assert list(cwd.iterdir()) == []
+
+
+def test_a_redirected_fit_shows_its_progress_in_lines_and_in_its_log(tiny_features, tmp_path):
+    """Lightning's progress bar prints nothing when stderr is a file: `fit` then writes plain lines, to stderr
+    and to train.log beside the run's logs (every 30 s of training, after each validation, at the end)."""
+    result = run_cli("fit", "--config", str(recipe(tiny_features, tmp_path)), "--trainer.max_steps", "2",
+                     "--trainer.val_check_interval", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = (tmp_path / "run" / "logs" / "version_0" / "train.log").read_text()
+    for line in ("training DrafterModule for 2 steps", "step 2 validation: val/loss", "val/tau", "done: 2 steps"):
+        assert line in log and line in result.stderr, line
+
+
+def test_progress_lines_give_step_loss_and_time_left():
+    from types import SimpleNamespace
+
+    from draftsmith.train.progress import ProgressLog
+
+    log = ProgressLog(every_seconds=0.0, to_stderr=False)
+    lines = []
+    log._write = lines.append
+    log.path, log.start, log.last = "x", 0.0, -1.0
+    trainer = SimpleNamespace(global_step=25, max_steps=100, callback_metrics={"train/loss": torch.tensor(2.5)},
+                              optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])])
+    import draftsmith.train.progress as progress
+
+    clock = iter([50.0])
+    real = progress.time.perf_counter
+    progress.time.perf_counter = lambda: next(clock)
+    try:
+        log.on_train_batch_end(trainer, None, None, None, 0)
+    finally:
+        progress.time.perf_counter = real
+    assert lines == ["step 25/100  loss 2.5000  lr 1.00e-03  0:50 elapsed, ~2:30 left"]

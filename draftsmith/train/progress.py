@@ -1,0 +1,69 @@
+"""A training run's progress as plain lines: in `train.log` beside the run's logs, and on stderr when
+stderr is not a terminal (a redirected or backgrounded run, where Lightning's progress bar prints
+nothing), so that `make demo > log` shows where training is."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class ProgressLog(pl.Callback):
+    """A line every `every_seconds` of training (and after each validation): step, loss, learning rate,
+    elapsed and remaining time, the latest validation τ̂."""
+
+    def __init__(self, every_seconds: float = 30.0, to_stderr: bool | None = None):
+        self.every = every_seconds
+        self.to_stderr = (not sys.stderr.isatty()) if to_stderr is None else to_stderr
+        self.path: Path | None = None
+        self.start = self.last = 0.0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        where = Path(trainer.log_dir) if trainer.loggers and trainer.log_dir else Path(trainer.default_root_dir)
+        where.mkdir(parents=True, exist_ok=True)
+        self.path = where / "train.log"
+        self.start = self.last = time.perf_counter()
+        self._write(f"training {type(pl_module).__name__} for {trainer.max_steps} steps ({self.path})")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self.path is None or now - self.last < self.every:
+            return
+        self.last = now
+        step, total = trainer.global_step, trainer.max_steps
+        elapsed = now - self.start
+        left = f", ~{_clock(elapsed / step * (total - step))} left" if step and total and total > 0 else ""
+        loss = trainer.callback_metrics.get("train/loss")
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        parts = [f"step {step}/{total}", f"loss {float(loss):.4f}" if loss is not None else None,
+                 f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
+        self._write("  ".join(p for p in parts if p))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.path is None or trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and v.numel() == 1}
+        shown = {k: v for k, v in metrics.items() if k in ("val/tau", "val/tau_t1", "val/loss", "val/confidence_auroc")}
+        self._write(f"step {trainer.global_step} validation: " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.path is not None:
+            self._write(f"done: {trainer.global_step} steps in {_clock(time.perf_counter() - self.start)}")
+
+    def _write(self, line: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        with open(self.path, "a") as f:
+            f.write(stamped + "\n")
+        if self.to_stderr:
+            print(stamped, file=sys.stderr, flush=True)
