@@ -28,9 +28,10 @@ class ProgressLog(pl.Callback):
         self.start = self.last = 0.0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        log_dir = trainer.log_dir if trainer.loggers else None  # a broadcast: every rank asks
         if not trainer.is_global_zero:
             return
-        where = Path(trainer.log_dir) if trainer.loggers and trainer.log_dir else Path(trainer.default_root_dir)
+        where = Path(log_dir or trainer.default_root_dir)
         where.mkdir(parents=True, exist_ok=True)
         self.path = where / "train.log"
         self.start = self.last = time.perf_counter()
