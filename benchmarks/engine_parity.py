@@ -119,6 +119,9 @@ def vllm_arm(fmt: str, export_dir: Path, target_dir: str, prompts: list[list[int
     if done.returncode != 0:  # the engine's own refusal: the first error it names
         log = (work / f"vllm-{fmt}.log").read_text()
         errors = [line.split("] ", 1)[-1] for line in log.splitlines() if "Error: " in line and "File " not in line]
+        # a config validation names its reason on the next line: "Value error, <reason> [type=...]"
+        errors = [line.split("Value error, ", 1)[1].split(" [type=")[0] for line in log.splitlines()
+                  if "Value error, " in line] + errors
         return {"refused": errors[0] if errors else log[-500:], "log": str(work / f"vllm-{fmt}.log")}
     result = json.loads(Path(job["out"]).read_text())
     c = result["counters"]
