@@ -153,10 +153,10 @@ def main() -> None:
     from draftsmith.export import export
     from draftsmith.models.target import load_target
     from draftsmith.pipeline import ensure_features
-    from draftsmith.runtime.block import BlockProposer
     from draftsmith.runtime.cost import TreeCost, TreeCostMeter
     from draftsmith.runtime.policies import BlockConfidence, Static
-    from draftsmith.runtime.proposers import FeatureProposer, NoProposer
+    from draftsmith.runtime.loading import feature_proposer
+    from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import TreeShape
@@ -178,8 +178,7 @@ def main() -> None:
         module, info = trained[name]
         _, _, k, trees = ARMS[name]
         drafter = copy.deepcopy(module.drafter).to(dtype=target.dtype).eval()
-        make = (lambda: BlockProposer(drafter, target.vocab_size, module.aux_layer_ids)) if module.kind.blocks else \
-            (lambda: FeatureProposer(drafter, target.vocab_size, module.aux_layer_ids))
+        make = lambda: feature_proposer(module.kind, drafter, target.vocab_size, module.aux_layer_ids)  # noqa: E731
         runner = TargetRunner(target.model, module.aux_layer_ids)
         row = {"val_tau": info["val_tau"], "val_tau_t1": info["val_tau_t1"], "steps": info["trained_steps"],
                "chain": decode(runner, make(), prompts, lambda: Static(k), greedy, eos),

@@ -7,7 +7,7 @@ and draws the drafted tokens from its slots in order: each slot's law is fixed b
 (DFlash), or also by the token drawn before it through DSpark's Markov bias. Each drafted token is
 drawn from the distribution returned with it, so verification (a chain) is lossless as for any
 proposer. A policy is asked before each token (`DraftStep.confidence`: DSpark's predicted chance that
-the next token is accepted, read by the `block-confidence` policy).
+the next token is accepted, read by the `dspark` policy).
 
 Notation: B block size, D tokens a block drafts (B − 1 or B), T context positions, H hidden, V vocab.
 """
@@ -93,7 +93,7 @@ class BlockProposer:
         # DSpark's confidence in the first token comes from the block's forward, run before the policy's
         # first question (and wasted when it drafts nothing); DFlash's policies ask before running it
         hidden = self.block(prev)[drafter.first_slot:] if drafter.confidence_head is not None else None
-        first = self._confidence(hidden[0], prev) if hidden is not None else None
+        first = self._slot(hidden[0], prev)[1] if hidden is not None else None
         if not policy.keep_going(DraftStep(0, committed=committed, confidence=first)):
             return _empty(self.vocab_size)
         if hidden is None:
@@ -101,7 +101,8 @@ class BlockProposer:
         base = drafter.logits(hidden).float()
         tokens, scaled, raw = [], [], []
         for j in range(k):
-            logits, confidence = self._slot(base[j], hidden[j], prev)
+            bias, confidence = self._slot(hidden[j], prev)
+            logits = base[j] if bias is None else base[j] + bias.float()
             if j and not policy.keep_going(DraftStep(j, tokens[-1], raw[-1], hidden[j - 1], committed, confidence)):
                 break
             r, s = distributions(logits, sampling)
@@ -112,17 +113,10 @@ class BlockProposer:
             raw.append(r)
         return tokens, torch.stack(scaled), torch.stack(raw)
 
-    def _slot(self, logits: torch.Tensor, hidden: torch.Tensor, prev: int) -> tuple[torch.Tensor, float | None]:
-        """A slot's logits (Vd,) with DSpark's Markov bias from the token before it, and its confidence
-        (the predicted chance that the slot's token is accepted)."""
+    def _slot(self, hidden: torch.Tensor, prev: int) -> tuple[torch.Tensor | None, float | None]:
+        """DSpark's Markov bias (Vd,) for a slot from the token before it, and the slot's confidence (the
+        predicted chance that its token is accepted); None where the drafter has neither head."""
         bias, embedding = self.drafter.markov(torch.tensor(prev, device=hidden.device))
-        if bias is None:
-            return logits, None
-        confidence = None
-        if self.drafter.confidence_head is not None:
-            confidence = float(torch.sigmoid(self.drafter.confidence(hidden, embedding)))
-        return logits + bias.float(), confidence
-
-    def _confidence(self, hidden: torch.Tensor, prev: int) -> float:
-        _, embedding = self.drafter.markov(torch.tensor(prev, device=hidden.device))
-        return float(torch.sigmoid(self.drafter.confidence(hidden, embedding)))
+        if self.drafter.confidence_head is None:
+            return bias, None
+        return bias, float(torch.sigmoid(self.drafter.confidence(hidden, embedding)))

@@ -35,12 +35,20 @@ def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tupl
         raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
     config = json.loads((path / "config.json").read_text())
     drafter_module = load_native(path, target).to(device=target.device, dtype=target.dtype)  # int buffers stay int
-    if drafter_kind(config["kind"]).blocks:
+    kind = drafter_kind(config["kind"])
+    block = f", block {drafter_module.block_size}" if kind.blocks else ""
+    return feature_proposer(kind, drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), \
+        f"{kind.name} ({path.name}{block})"
+
+
+def feature_proposer(kind: Any, drafter: Any, vocab_size: int, aux_layer_ids: list[int]) -> Any:
+    """The proposer that decodes a feature drafter of `kind` (a registry entry): a block drafter's
+    `BlockProposer`, else a `FeatureProposer`."""
+    if kind.blocks:
         from draftsmith.runtime.block import BlockProposer
 
-        return BlockProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), \
-            f"{config['kind']} ({path.name}, block {drafter_module.block_size})"
-    return FeatureProposer(drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), f"{config['kind']} ({path.name})"
+        return BlockProposer(drafter, vocab_size, aux_layer_ids)
+    return FeatureProposer(drafter, vocab_size, aux_layer_ids)
 
 
 def standalone_head_ids(path: Path, target: Any, head_vocab: int) -> torch.Tensor | None:

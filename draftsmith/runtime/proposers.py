@@ -197,15 +197,19 @@ class FeatureProposer:
         dtype = self.drafter.fc.weight.dtype
         feature = self.drafter.project(final[None].to(dtype), aux[None].to(dtype) if aux is not None else None)
         positions = torch.arange(self.anchors, self.anchors + n, device=final.device)[None]
-        mask = torch.ones(n, self.anchors + n, dtype=torch.bool, device=final.device)
-        mask[:, self.anchors:] = torch.ones(n, n, dtype=torch.bool, device=final.device).tril()
         tokens = torch.tensor([next_tokens], device=final.device)
         with grouped_query_sdpa(self.gqa and n > 1):
-            out = self.forward(tokens, feature, positions, mask[None, None], self.cache)  # (1, n, H)
+            out = self.forward(tokens, feature, positions, self._after_anchors(n, final.device), self.cache)  # (1, n, H)
         self.anchors += n
         self.hidden = out[:, -1:]
         self.forwards += 1
         return out
+
+    def _after_anchors(self, n: int, device: torch.device) -> torch.Tensor:
+        """(1, 1, n, anchors + n): n new entries see every real anchor and, causally, each other."""
+        mask = torch.ones(n, self.anchors + n, dtype=torch.bool, device=device)
+        mask[:, self.anchors:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return mask[None, None]
 
     @torch.no_grad()
     def teacher_forced(self, ids: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -278,21 +282,17 @@ class FeatureProposer:
 
     def _parallel(self, sequence: list[int], policy: Policy, k: int, sampling: SamplingConfig,
                   generator: torch.Generator | None) -> Draft:
-        """P-EAGLE: the first token from the last anchor's state, tokens 2..k from one forward over k − 1 mask
-        positions after the anchors (each sees the anchors and the mask positions before it; none reads a
-        drafted token, so each token's law is fixed before any is drawn)."""
-        tokens, scaled, raw = [], [], []
-        committed, hidden = len(sequence), self.hidden[0]  # (1, H): drafts token 1
+        """P-EAGLE: token 1 from the last anchor's state, tokens 2..k from one forward over k − 1 mask positions
+        (`_after_anchors`); none reads a drafted token, so each token's law is fixed before any is drawn."""
+        tokens, scaled, raw, committed, hidden = [], [], [], len(sequence), self.hidden[0]  # (1, H): drafts token 1
         step = DraftStep(0, hidden=hidden[0], committed=committed)
         while len(tokens) < k and policy.keep_going(step):
             if len(tokens) == 1:  # the rest of the draft, in one forward
                 m = k - 1
                 inputs = self.drafter.mask_inputs(1, m)
                 positions = self.anchors + torch.arange(m, device=hidden.device)[None]
-                mask = torch.ones(m, self.anchors + m, dtype=torch.bool, device=hidden.device)
-                mask[:, self.anchors:] = torch.ones(m, m, dtype=torch.bool, device=hidden.device).tril()
                 with grouped_query_sdpa(self.gqa and m > 1):
-                    rest = self.forward(*inputs, positions, mask[None, None], self.cache)[0]  # (m, H)
+                    rest = self.forward(*inputs, positions, self._after_anchors(m, hidden.device), self.cache)[0]
                 self.forwards += 1
                 hidden = torch.cat([hidden, rest])
             r, s = self._next(hidden[len(tokens)][None, None], sampling)

@@ -71,8 +71,8 @@ class BlockDrafterModule(DrafterModule):
             regression, Top-K) do not apply.
     """
 
-    def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0, markov_rank: int = 0, confidence_head: bool = False,
-                 confidence_weight: float = 1.0, **kwargs: Any):
+    def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0,
+                 markov_rank: int = 0, confidence_head: bool = False, confidence_weight: float = 1.0, **kwargs: Any):
         kwargs.setdefault("kind", DFLASH.name)
         super().__init__(**kwargs)
         if not self.kind.blocks:
@@ -123,8 +123,10 @@ class BlockDrafterModule(DrafterModule):
         if h.ce_weight:
             parts["distill"] = weighted_mean(soft_cross_entropy_per_position(logits, p), weight)
             total = h.ce_weight * parts["distill"]
-        q = logits.softmax(-1)
-        alpha = torch.minimum(p, q).sum(-1)  # (M,) acceptance at T = 1
+        alpha = None  # (M,) acceptance at T = 1, for the confidence head and the metrics
+        if drafter.confidence_head is not None or with_metrics:
+            with torch.no_grad():
+                alpha = torch.minimum(p, logits.softmax(-1)).sum(-1)
         if h.acceptance_weight:
             parts["acceptance"] = weighted_mean(acceptance_per_position(logits, p, h.acceptance_loss,
                                                                         h.acceptance_eta), weight)
@@ -132,11 +134,11 @@ class BlockDrafterModule(DrafterModule):
         if drafter.confidence_head is not None:
             confidence = drafter.confidence(picked, embedding).float()
             parts["confidence"] = weighted_mean(
-                F.binary_cross_entropy_with_logits(confidence, alpha.detach(), reduction="none"), weight)
+                F.binary_cross_entropy_with_logits(confidence, alpha, reduction="none"), weight)
             total = total + h.confidence_weight * parts["confidence"]
             if with_metrics:
                 draws = torch.rand(len(alpha), generator=torch.Generator().manual_seed(1)).to(alpha.device)
-                outcome = (draws < alpha.detach()).long()
+                outcome = (draws < alpha).long()
                 self.val_auroc.update(confidence.sigmoid(), outcome)
                 self.val_ece.update(confidence.sigmoid(), outcome)
         if with_metrics:

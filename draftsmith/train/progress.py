@@ -54,9 +54,9 @@ class ProgressLog(pl.Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.path is None or trainer.sanity_checking:
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and v.numel() == 1}
-        shown = {k: v for k, v in metrics.items() if k in ("val/tau", "val/tau_t1", "val/loss", "val/confidence_auroc")}
-        self._write(f"step {trainer.global_step} validation: " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+        metrics = trainer.callback_metrics
+        shown = [k for k in ("val/loss", "val/tau", "val/tau_t1", "val/confidence_auroc") if k in metrics]
+        self._write(f"step {trainer.global_step} validation: " + "  ".join(f"{k} {float(metrics[k]):.4f}" for k in shown))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.path is not None:
