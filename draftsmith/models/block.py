@@ -39,10 +39,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor,
-                    v_ctx: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of A blocks of B queries over the context and their own block, without forming keys
-    of other blocks. q (N, h, A·B, hd); k_blk, v_blk (N, kv, A·B, hd); k_ctx, v_ctx (N, kv, T, hd);
-    visible (N, A, T): which context positions each block sees. Returns (N, h, A·B, hd)."""
+                    v_ctx: torch.Tensor, visible: torch.Tensor, scale: float, fused: bool | None = None) -> torch.Tensor:
+    """Attention of A blocks of B queries over the context and their own block. q (N, h, A·B, hd);
+    k_blk, v_blk (N, kv, A·B, hd); k_ctx, v_ctx (N, kv, T, hd); visible (N, A, T): which context positions
+    each block sees. Returns (N, h, A·B, hd).
+
+    Explicitly (the default on a CPU) it scores each block against the context and its own block only,
+    keeping the N·h·A·B·T scores for the backward pass; `fused` (the default on a GPU) runs one
+    scaled_dot_product_attention over [context | every block] under the anchor-block mask instead, whose
+    memory-efficient kernels never hold the scores: training with hundreds of anchors a sequence fits."""
+    if q.is_cuda if fused is None else fused:
+        return _fused_block_attention(q, k_blk, v_blk, k_ctx, v_ctx, visible, scale)
     n, h, ab, hd = q.shape
     kv, a = k_blk.shape[1], visible.shape[1]
     b, g = ab // a, h // kv
@@ -55,6 +62,19 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k
     out = torch.einsum("nkgabt,nktd->nkgabd", weights[..., :t], v_ctx.float()) + \
         torch.einsum("nkgabc,nkacd->nkgabd", weights[..., t:], v_blk.float().reshape(n, kv, a, b, hd))
     return out.reshape(n, h, ab, hd).to(v_blk.dtype)
+
+
+def _fused_block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor,
+                           v_ctx: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    n, h, ab, _ = q.shape
+    b, group = ab // visible.shape[1], h // k_blk.shape[1]
+    keys = torch.cat([k_ctx, k_blk], 2).repeat_interleave(group, 1).to(q.dtype)
+    values = torch.cat([v_ctx, v_blk], 2).repeat_interleave(group, 1).to(q.dtype)
+    block = torch.arange(ab, device=q.device) // b
+    own = (block[:, None] == block[None, :]).expand(n, ab, ab)
+    mask = torch.cat([visible.repeat_interleave(b, 1), own], -1)[:, None]  # (N, 1, A·B, T + A·B)
+    out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.to(v_blk.dtype)
 
 
 class BlockAttention(nn.Module):

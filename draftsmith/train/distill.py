@@ -111,7 +111,7 @@ class DistillModule(pl.LightningModule):
             if "final" in batch:
                 final = batch["final"]
             elif self._target is not None:
-                final, _ = self._target.features(batch["input_ids"], batch["attention_mask"].long())
+                final, _ = frozen.online_features(self._target, batch)
             else:
                 raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
             return soft_cap(self.target_head(final[:, :-1][sel].to(self.target_head.weight.dtype)), self.softcap)

@@ -163,6 +163,9 @@ class DrafterModule(pl.LightningModule):
         self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)
         if self.online:
             self._target = target
+        if frozen.flattens_by_dtype(self._trainer):  # the frozen target parts join the trainable ones' dtype
+            self.drafter.float()
+            self.target_head.float()
         self.drafter.to(self.device)
 
     def drafter_options(self, target: Any) -> dict[str, Any]:
@@ -218,7 +221,7 @@ class DrafterModule(pl.LightningModule):
             return batch["final"], batch.get("aux")
         if self._target is None:
             raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
-        final, extra = self._target.features(batch["input_ids"], batch["attention_mask"].long(), self.aux_layer_ids)
+        final, extra = frozen.online_features(self._target, batch, self.aux_layer_ids)
         aux = torch.cat([extra[i] for i in self.aux_layer_ids], -1) if self.aux_layer_ids else None
         return final, aux
 

@@ -24,6 +24,27 @@ def load_frozen_target(hparams: Any) -> tuple[Any, dict[str, Any]]:
     return target, target.identity.as_dict()
 
 
+def online_features(target: Any, batch: dict[str, Any], layer_ids: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The online target's features for a batch, computed where the batch is.
+
+    The target lives outside the module tree (it is never optimized or saved), so Lightning never moves it:
+    the first batch on an accelerator brings it there.
+    """
+    device = batch["input_ids"].device
+    if target.device != device:
+        target.model.to(device)
+    return target.features(batch["input_ids"], batch["attention_mask"].long(), layer_ids)
+
+
+def flattens_by_dtype(trainer: Any) -> bool:
+    """Whether the trainer's strategy is FSDP, which flattens each unit's parameters into one tensor of one
+    dtype: the frozen embedding and head a drafter takes from a bf16 target cannot share it with its float32
+    trainable weights, so they are cast to float32 there."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    return trainer is not None and isinstance(trainer.strategy, FSDPStrategy)
+
+
 def check_identity(saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
     """Refuse a checkpoint trained for another target (its name and adapter path may differ)."""
     if saved is None:

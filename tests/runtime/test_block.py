@@ -129,7 +129,7 @@ def test_the_block_layout_is_the_formats():
 def test_block_attention_is_dense_attention_under_the_anchor_block_mask():
     """The attention over [context | all blocks] keys with the mask the `speculators` format defines (a
     block sees the context before its anchor and its whole own block, no other block), computed densely,
-    equals `block_attention`, which never forms the other blocks' keys."""
+    equals `block_attention`, explicit (scores against the context and the own block only) and fused."""
     g = torch.Generator().manual_seed(0)
     t, a, b, h, kv, hd = 6, 3, 4, 4, 2, 8
     anchors = torch.tensor([[1, 3, 5]])
@@ -147,3 +147,13 @@ def test_block_attention_is_dense_attention_under_the_anchor_block_mask():
     values = torch.cat([v_ctx, v_blk], 2).repeat_interleave(h // kv, 1)
     dense = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
     torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    # the fused form (a GPU's default) is the same attention
+    inputs = [x.clone().requires_grad_() for x in (q, k_blk, v_blk, k_ctx, v_ctx)]
+    fused = block_attention(*inputs, visible, hd ** -0.5, fused=True)
+    torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
+    explicit = [x.clone().requires_grad_() for x in (q, k_blk, v_blk, k_ctx, v_ctx)]
+    weights = torch.randn(dense.shape, generator=g)
+    (fused * weights).sum().backward()
+    (block_attention(*explicit, visible, hd ** -0.5) * weights).sum().backward()
+    for x, y in zip(inputs, explicit):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-5, rtol=1e-5)

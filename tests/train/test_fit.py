@@ -268,6 +268,39 @@ def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_p
     torch.testing.assert_close(aux[0], item["aux"], atol=1e-5, rtol=1e-5)
 
 
+def test_the_online_target_moves_to_the_device_its_batches_are_on(tiny_target_dir, monkeypatch):
+    """The frozen target lives outside the module tree, so Lightning never moves it to the accelerator."""
+    from draftsmith.models.target import Target, load_target
+    from draftsmith.train.frozen import online_features
+
+    target = load_target(str(tiny_target_dir))
+    seen = []
+    monkeypatch.setattr(Target, "features", lambda self, ids, mask, layers=(): seen.append(self.device) or (ids, {}))
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long, device="meta"),
+             "attention_mask": torch.ones(1, 3, dtype=torch.bool, device="meta")}
+    online_features(target, batch)
+    assert seen == [torch.device("meta")] and target.model.lm_head.weight.device.type == "meta"
+
+
+def test_under_fsdp_the_frozen_target_parts_join_the_drafters_dtype(tiny_target_dir):
+    """FSDP flattens a unit's parameters into one tensor of one dtype: a bf16 target's embedding and head
+    cannot sit beside the drafter's float32 weights there (FSDP refuses at setup)."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+
+    from draftsmith.train.drafter import DrafterModule
+
+    def dtypes(strategy):
+        module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], target_dtype="bfloat16")
+        module._trainer = SimpleNamespace(strategy=strategy)
+        module.configure_model()
+        return {p.dtype for p in module.parameters()}
+
+    assert dtypes(FSDPStrategy()) == {torch.float32}
+    assert dtypes(DDPStrategy()) == {torch.float32, torch.bfloat16}  # elsewhere they stay the target's
+
+
 def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_path, monkeypatch):
     """No "args parameter is intended to run from within Python" warning, no litlogger advert."""
     import logging
