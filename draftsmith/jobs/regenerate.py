@@ -7,8 +7,13 @@ Conversation ids are kept, so the train/validation split is the same as the sour
 
 Nothing is lost on a crash: records are appended a chunk at a time, and a rerun with the same
 settings resumes after the conversations already written, and one with a larger --limit
-appends the conversations the file lacks. A rerun with other settings (or another target)
-into the same file is refused.
+appends the conversations the file lacks. A rerun with other settings (or another target's
+tokenizer) into the same file is refused; the engine may change between runs.
+
+Engines (`--engine`, or `--endpoint URL`): transformers' batched generate on the loaded target (the
+default), vLLM's offline engine in this process (`--engine vllm`), or any OpenAI-compatible
+chat-completions server (`--endpoint`: `vllm serve`, SGLang, a hosted API) answered `--concurrency`
+requests at a time; `answerers.py` holds the three.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.files import json_lines
+from draftsmith.jobs.answerers import REASONING, EndpointAnswerer, GenerateAnswerer, VllmAnswerer
 from draftsmith.options import ChatOptions, SamplingOptions, TargetOptions
+
+ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -33,8 +41,21 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
         out: the .jsonl file to write (with OUT.meta.json: target and settings).
         turns: first (answer the first user turn only) or all (every user turn, after the target's own earlier answers).
         max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
-        batch_size: prompts generated together (grouped by length).
+        batch_size: prompts generated together (grouped by length; the transformers engine).
         chunk: conversations finished and appended to OUT together (the unit of resumption).
+        engine: transformers (generate on the loaded target) or vllm (vLLM's offline engine in this process,
+            fed the same token ids).
+        endpoint: the base URL of an OpenAI-compatible chat-completions server (http://HOST:PORT or
+            .../v1) to answer instead; it must serve --target (checked: it must render a probe chat to the
+            same token ids). Its API key, if any, is read from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY.
+        served_model: the model name the endpoint serves --target under (default: its only one).
+        concurrency: requests in flight at once (endpoint).
+        retries: tries after the first for a request that failed with a 5xx, a timeout or a refused
+            connection, waiting retry_wait, then twice that, ... seconds (endpoint); a 4xx is not retried.
+        retry_wait: seconds before the first retry.
+        request_timeout: seconds one request may take.
+        reasoning: keep or drop a model's reasoning trace (<think>…</think>, or the server's separate
+            reasoning field, put back in front of the answer) in the answers written.
     """
 
     out: str
@@ -42,8 +63,24 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
     max_length: int = 2048
     batch_size: int = 16
     chunk: int = 64
+    engine: str = "transformers"
+    endpoint: str | None = None
+    served_model: str | None = None
+    concurrency: int = 8
+    retries: int = 5
+    retry_wait: float = 2.0
+    request_timeout: float = 600.0
+    reasoning: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise DraftsmithError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.endpoint is not None and self.engine != ENGINES[0]:
+            raise DraftsmithError("--endpoint answers through a server: leave --engine out")
+        if self.reasoning not in REASONING:
+            raise DraftsmithError(f"--reasoning must be one of {', '.join(REASONING)}, got {self.reasoning!r}")
+        if self.concurrency < 1 or self.retries < 0 or self.retry_wait < 0 or self.request_timeout <= 0:
+            raise DraftsmithError("--concurrency must be >= 1, --retries and --retry_wait >= 0, --request_timeout > 0")
         if self.turns not in ("first", "all"):
             raise DraftsmithError(f"--turns must be first or all, got {self.turns!r}")
         if not self.out.endswith(".jsonl"):
@@ -59,7 +96,7 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
     def settings(self) -> dict[str, Any]:
         """What decides the answers: a resumed file must have been written with the same. Not `limit`:
         the first N conversations of a source are a prefix of its first M > N, so a larger limit extends a file."""
-        keep = ("data", "turns", "max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed")
+        keep = ("data", "turns", "max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed", "reasoning")
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
@@ -88,7 +125,10 @@ def _check_meta(out: Path, meta: dict[str, Any]) -> None:
     path = _meta_path(out)
     if path.exists():
         old = json.loads(path.read_text())
-        diffs = [f"{k}: {old.get(k)!r} in the file, {v!r} now" for k, v in meta.items() if old.get(k) != v]
+        diffs = [f"{k}: {old.get(k)!r} in the file, {v!r} now" for k, v in meta.items() if k != "target" and old.get(k) != v]
+        theirs, mine = old.get("target", {}).get("tokenizer_hash"), meta["target"]["tokenizer_hash"]
+        if theirs != mine:
+            diffs.append(f"the target's tokenizer: {theirs} in the file, {mine} now ({meta['target']['name']})")
         if diffs:
             raise DraftsmithError(f"{out} was written with other settings ({'; '.join(diffs)}); "
                                   "use another --out or delete it")
@@ -98,39 +138,8 @@ def _check_meta(out: Path, meta: dict[str, Any]) -> None:
     path.write_text(json.dumps(meta, indent=1))
 
 
-class Answerer:
-    """Batched generation with the target's chat template (left padding, one batch at a time)."""
-
-    def __init__(self, target: Any, cfg: RegenerateConfig):
-        self.model, self.tok, self.cfg = target.model, target.tokenizer, cfg
-        self.prompt_ids = target.encode_chat
-        self.eos = list(target.eos_token_ids)
-        if not self.eos:
-            raise DraftsmithError(f"target {cfg.target!r} has no EOS token: answers would never end")
-        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
-
-    def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """(answer tokens without the EOS, ended on EOS) per prompt: transformers' generate, left padding."""
-        import torch
-
-        width = max(len(p) for p in prompts)
-        device = self.model.device
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = ({"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p or 1.0,
-                     "top_k": self.cfg.top_k or 0}
-                    if self.cfg.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
-        with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                                      eos_token_id=self.eos, pad_token_id=self.pad, **sampling)[:, width:].tolist()
-        answers = []
-        for row in out:
-            cut = next((i for i, t in enumerate(row) if t in self.eos), None)
-            answers.append((row if cut is None else row[:cut], cut is not None))
-        return answers
-
-
-def regenerate_chunk(answerer: Answerer, convs: list[Any], cfg: RegenerateConfig, counts: Counter,
+def regenerate_chunk(answerer: Any, prompt_ids: Callable[[list[dict]], list[int]], convs: list[Any],
+                     cfg: RegenerateConfig, counts: Counter,
                      advance: Callable[[int], None] = lambda n: None) -> list[dict[str, Any]]:
     """The chunk's conversations with their assistant turns replaced by the target's answers.
 
@@ -152,7 +161,7 @@ def regenerate_chunk(answerer: Answerer, convs: list[Any], cfg: RegenerateConfig
         prompts = []
         for s in active:
             s["messages"].append({"role": "user", "content": s["users"][turn]})
-            prompts.append(answerer.prompt_ids(s["messages"]))
+            prompts.append(prompt_ids(s["messages"]))
         room = [cfg.max_length - len(p) - cfg.max_new_tokens for p in prompts]
         ready = []
         for s, p, r in zip(active, prompts, room):
@@ -163,11 +172,12 @@ def regenerate_chunk(answerer: Answerer, convs: list[Any], cfg: RegenerateConfig
             else:
                 ready.append((len(p), p, s))
         ready.sort(key=lambda x: x[0])
-        for b in range(0, len(ready), cfg.batch_size):
-            batch = ready[b:b + cfg.batch_size]
-            for (_, _, s), (tokens, ended) in zip(batch, answerer.answer([p for _, p, _ in batch])):
-                text = answerer.tok.decode(tokens, skip_special_tokens=True).strip()
-                counts["answer_tokens"] += len(tokens)
+        size = answerer.batch_size or len(ready) or 1
+        for b in range(0, len(ready), size):
+            batch = ready[b:b + size]
+            for (_, _, s), (text, tokens, ended) in zip(batch, answerer.answer([(s["messages"], p) for _, p, s in batch])):
+                text = text.strip()
+                counts["answer_tokens"] += tokens
                 if not text:
                     s["messages"].pop()
                     s["open"] = False
@@ -194,35 +204,59 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.models.target import load_target
+    from draftsmith.models.target import load_tokenizer
+    from draftsmith.models.tokenizer import tokenizer_hash
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
     convs, report = load_conversations(cfg.data, limit=cfg.limit)
     if not convs:
         raise DraftsmithError(f"{cfg.data}: no usable conversations ({report.as_dict()['skipped']})")
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
-    meta = {"format": "draftsmith-regenerated-chats", "target": target.identity.as_dict(), **cfg.settings()}
+    tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
+    meta = {"format": "draftsmith-regenerated-chats", "target": {"name": cfg.target, "tokenizer_hash": tokenizer_hash(tokenizer)},
+            **cfg.settings()}
     _check_meta(out, meta)
     done = _done_ids(out)
     todo = [c for c in convs if c.id not in done]
     counts: Counter = Counter()
-    start = time.perf_counter()
-    answerer = Answerer(target, cfg)
-    import torch
+    answerer = _answerer(cfg, tokenizer, console) if todo else None
 
-    torch.manual_seed(cfg.seed)  # generate samples from the global generator
+    def prompt_ids(messages: list[dict]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+
+    start = time.perf_counter()
     with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("regenerate", total=len(convs), completed=len(convs) - len(todo))
         for c in range(0, len(todo), cfg.chunk):
-            records = regenerate_chunk(answerer, todo[c:c + cfg.chunk], cfg, counts,
+            records = regenerate_chunk(answerer, prompt_ids, todo[c:c + cfg.chunk], cfg, counts,
                                        lambda n: progress.advance(task, n))
             with out.open("a", encoding="utf-8") as f:
                 f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     seconds = time.perf_counter() - start
-    return {"out": str(out), "source": report.as_dict(), "already_done": len(convs) - len(todo),
+    return {"out": str(out), "engine": cfg.endpoint or cfg.engine, "source": report.as_dict(), "already_done": len(convs) - len(todo),
             "conversations": len(todo), "seconds": round(seconds, 1),
             "answer_tokens_per_second": round(counts["answer_tokens"] / seconds, 1) if seconds else None,
             **dict(counts)}
+
+
+def _answerer(cfg: RegenerateConfig, tokenizer: Any, console: Any) -> Any:
+    """The engine that answers: an endpoint, vLLM in this process, or transformers on the loaded target."""
+    import os
+
+    from draftsmith.models.precision import resolve_dtype
+    from draftsmith.models.sources import resolve_source
+    from draftsmith.models.target import load_target
+
+    if cfg.endpoint is not None:
+        key = os.environ.get("DRAFTSMITH_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        return EndpointAnswerer(cfg.endpoint, tokenizer, cfg, api_key=key, log=lambda line: console.print(line, markup=False))
+    if cfg.engine == "vllm":
+        return VllmAnswerer(resolve_source(cfg.target), tokenizer, cfg, resolve_dtype(cfg.dtype, cfg.device, "bulk"))
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                         chat_template=cfg.chat_template)
+    import torch
+
+    torch.manual_seed(cfg.seed)  # generate samples from the global generator
+    return GenerateAnswerer(target, cfg)

@@ -165,9 +165,7 @@ class Target:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends an answer: the tokenizer's EOS and the model config's (one id or a list)."""
-        config_eos = getattr(self.config, "eos_token_id", None)
-        ids = {self.tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
-        return tuple(sorted(i for i in ids if i is not None))
+        return eos_ids(self.tokenizer, self.config)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the chat template, ready for the assistant's next answer."""
@@ -199,6 +197,13 @@ class Target:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                output_hidden_states=captured.fallback)
         return out.last_hidden_state, captured.collect(out)
+
+
+def eos_ids(tokenizer: Any, config: Any) -> tuple[int, ...]:
+    """Every id that ends an answer: the tokenizer's EOS and the model config's (one id or a list)."""
+    config_eos = getattr(config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
