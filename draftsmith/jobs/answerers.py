@@ -31,6 +31,16 @@ class Answer(NamedTuple):
     ended: bool  # on EOS, not cut at max_new_tokens
 
 
+def require_vllm() -> None:
+    """Refuse `--engine vllm` where vLLM cannot be imported, saying where to get it."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise DraftsmithError("--engine vllm needs vLLM in this environment: `make engines` installs its CPU build "
+                              "with draftsmith in .venv-engines (run .venv-engines/bin/draftsmith), "
+                              "`pip install vllm` a GPU build")
+
+
 def with_reasoning(content: str, reasoning: str | None, mode: str) -> str:
     """The answer text to keep: `keep` puts a reasoning trace the server returned apart back in front of
     the answer, as the model wrote it (<think>…</think>); `drop` keeps the answer alone, removing a
@@ -79,13 +89,9 @@ class VllmAnswerer:
     at once: the engine batches them itself)."""
 
     def __init__(self, source: str, tokenizer: Any, cfg: Any, dtype: str):
-        try:
-            from vllm import LLM, SamplingParams
-        except ImportError:
-            raise DraftsmithError("--engine vllm needs vLLM in this environment: `make engines` installs its CPU "
-                                  "build with draftsmith in .venv-engines (run .venv-engines/bin/draftsmith), "
-                                  "`pip install vllm` a GPU build") from None
+        require_vllm()
         from transformers import AutoConfig
+        from vllm import LLM, SamplingParams
 
         from draftsmith.models.target import eos_ids
 

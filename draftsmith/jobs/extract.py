@@ -35,6 +35,8 @@ class ExtractConfig(TargetOptions, ChatOptions):
         devices: processes to extract with (each takes every N-th shard); torchrun works too.
         device_map: accelerate placement for a target larger than one device (e.g. auto).
         adapter: a peft LoRA adapter directory merged into the target on load.
+        engine: transformers (the target's forward here) or vllm (vLLM's own forward, its
+            `extract_hidden_states` method; the target is still loaded here for its identity and final norm).
     """
 
     out: str
@@ -45,6 +47,7 @@ class ExtractConfig(TargetOptions, ChatOptions):
     devices: int = 1
     device_map: str | None = None
     adapter: str | None = None
+    engine: str = "transformers"
 
     def __post_init__(self) -> None:
         for name in ("max_length", "shard_size", "batch_tokens", "devices"):
@@ -61,6 +64,10 @@ class ExtractConfig(TargetOptions, ChatOptions):
             raise DraftsmithError(f"--feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
         if self.device_map is not None and self.devices > 1:
             raise DraftsmithError("--device_map places one target across devices; use it with --devices 1")
+        if self.engine not in ("transformers", "vllm"):
+            raise DraftsmithError(f"--engine must be transformers or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and (self.devices > 1 or self.device_map or self.adapter):
+            raise DraftsmithError("--engine vllm places the target itself: leave --devices, --device_map and --adapter out")
 
 
 def batches_by_length(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -90,12 +97,20 @@ def pad_batch(chats: list[Any], device: Any) -> tuple[Any, Any]:
     return ids.to(device), mask.to(device)
 
 
-def extract_part(target: Any, chats: list[Any], layer_ids: list[int], cfg: ExtractConfig, on_batch=None) -> list[dict]:
-    """Features for one part's chats, returned in the chats' order."""
+def extract_part(target: Any, chats: list[Any], layer_ids: list[int], cfg: ExtractConfig, on_batch=None,
+                 engine: Any = None) -> list[dict]:
+    """Features for one part's chats, returned in the chats' order (`engine`: a `VllmFeatures`)."""
     import torch
 
     dtype = getattr(torch, cfg.feature_dtype)
     records: list[dict | None] = [None] * len(chats)
+    if engine is not None:
+        for k, (chat, (final, extra)) in enumerate(zip(chats, engine.part(chats))):
+            records[k] = {"id": chat.id, "input_ids": chat.input_ids, "loss_mask": chat.loss_mask,
+                          "final": final.to(dtype), "layers": {j: h.to(dtype) for j, h in extra.items()}}
+        if on_batch:
+            on_batch(len(chats), sum(len(c.input_ids) for c in chats))
+        return records
     for batch in batches_by_length([len(c.input_ids) for c in chats], cfg.batch_tokens):
         ids, mask = pad_batch([chats[i] for i in batch], target.device)
         with torch.inference_mode():
@@ -182,6 +197,16 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     if rank != 0:
         claim_directory(out, run, "features")
 
+    engine = None
+    if cfg.engine == "vllm":
+        from draftsmith.jobs.answerers import require_vllm
+
+        require_vllm()
+        from draftsmith.jobs.vllm_hidden import VllmFeatures
+        from draftsmith.models.sources import resolve_source
+
+        engine = VllmFeatures(resolve_source(cfg.target), target, layer_ids, dtype, cfg.max_length,
+                              cfg.trust_remote_code)
     num_parts = math.ceil(len(convs) / cfg.shard_size)
     existing = sum((out / shard_name(p)).exists() for p in range(num_parts))
     todo = [p for p in range(rank, num_parts, world) if not (out / shard_name(p)).exists()]
@@ -209,7 +234,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
             chats = tokenize_many(target.tokenizer, part, cfg.max_length, skipped, truncated, audit)
             audit.check(f"{cfg.data} (part {p})")
             progress.update(task, advance=len(part) - len(chats))
-            records = extract_part(target, chats, layer_ids, cfg, on_batch)
+            records = extract_part(target, chats, layer_ids, cfg, on_batch, engine)
             meta = {"run": run, "skipped": dict(skipped), "truncated": dict(truncated), "audit": audit.summary()}
             write_shard(out, p, records, meta, layer_ids, target.hidden_size, getattr(torch, cfg.feature_dtype))
     barrier()

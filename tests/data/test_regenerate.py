@@ -144,3 +144,16 @@ def test_cli_regenerates_and_extract_reads_the_result(lively_target, chats_file,
                 "--max-length", "256", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "f" / "manifest.json").read_text())["num_records"] == len(read(out))
+
+
+def test_the_vllm_engine_without_vllm_says_where_to_get_it(lively_target, chats_file, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(DraftsmithError, match=r"needs vLLM in this environment: `make engines`"):
+        regenerate(cfg(lively_target, chats_file, tmp_path / "v.jsonl", limit=2, engine="vllm"))
+    with pytest.raises(DraftsmithError, match="--endpoint answers through a server: leave --engine out"):
+        cfg(lively_target, chats_file, tmp_path / "v.jsonl", engine="vllm", endpoint="http://127.0.0.1:1")
+    with pytest.raises(DraftsmithError, match="--reasoning must be one of keep, drop"):
+        cfg(lively_target, chats_file, tmp_path / "v.jsonl", reasoning="hide")
