@@ -1,13 +1,16 @@
 """A drafter trained on the target's own answers against one trained on the dataset's answers, one run.
 
-Both arms: the EAGLE recipe (recipes/smollm2-135m/eagle-cpu.yaml), the same step budget, the
-user turns of the same `--limit` ShareGPT chats. One arm's features come from the chats' own
+Both arms: one recipe (`--recipe`, default recipes/smollm2-135m/eagle-cpu.yaml; eagle3-cpu.yaml works
+too), the same step budget, the user turns of the same `--limit` ShareGPT chats. One arm's features come from the chats' own
 (ShareGPT) answers, the other's from the target's greedy answers (`draftsmith regenerate`).
 Both then decode the same MT-bench prompts greedily with EAGLE-2 trees through the runtime
 (greedy decoding commits the target's tokens, so both see the same text): τ and the ratio.
 
     python benchmarks/self_distill.py [--limit 400] [--self-limit N] [--steps 240] [--decode-prompts 20]
-                                      [--tree 6,10,60]
+                                      [--tree 6,10,60] [--recipe R] [--engine transformers|vllm]
+
+`--engine vllm` regenerates through vLLM's offline engine (`draftsmith regenerate --engine vllm`; run the
+script with .venv-engines/bin/python, where vLLM is installed) into sharegpt-self-vllm.jsonl.
 
 The target's first-turn answers (≤ 256 tokens) are shorter than ShareGPT's whole chats: at the
 same --limit the self arm has about half the loss tokens. `--self-limit` (default --limit) gives
@@ -47,6 +50,9 @@ def main() -> None:
     ap.add_argument("--decode-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", default="6,10,60")
+    ap.add_argument("--recipe", default="recipes/smollm2-135m/eagle-cpu.yaml")
+    ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                    help="who regenerates the self arm's answers")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench-self-distill"))
     args = ap.parse_args()
     from hass_vs_eagle import decode_tau, train_and_score
@@ -57,13 +63,15 @@ def main() -> None:
 
     self_limit = args.self_limit or args.limit
     runs = ROOT / "runs" / "smollm2-135m"
-    chats = runs / "sharegpt-self.jsonl"
+    tag = "" if args.engine == "transformers" else f"-{args.engine}"
+    chats = runs / f"sharegpt-self{tag}.jsonl"
     summary = regenerate(RegenerateConfig(target=TARGET, data="sharegpt", out=str(chats), limit=self_limit,
-                                          max_new_tokens=256, max_length=1024))
+                                          max_new_tokens=256, max_length=1024, engine=args.engine))
     conversations = summary['already_done'] + summary['conversations']
-    print(f"regenerated chats: {chats} ({conversations} conversations)", flush=True)
+    print(f"regenerated chats: {chats} ({conversations} conversations, {summary['seconds']} s, "
+          f"{summary.get('answer_tokens_per_second')} answer tok/s, {args.engine})", flush=True)
     arms = {"sharegpt": ("sharegpt", args.limit, runs / f"features-sharegpt-{args.limit}"),
-            "self": (str(chats), self_limit, runs / f"features-self-{self_limit}")}
+            "self": (str(chats), self_limit, runs / f"features-self{tag}-{self_limit}")}
     for name, (data, limit, features) in arms.items():
         ensure_features(data, limit, features)
         manifest = json.loads((features / "manifest.json").read_text())
@@ -73,7 +81,7 @@ def main() -> None:
     prompts = first_turn_ids(target, "mtbench", args.decode_prompts)
     taus = {}
     for name, (_, _, features) in arms.items():
-        figures, module = train_and_score("recipes/smollm2-135m/eagle-cpu.yaml", args.steps, 3, Path(args.out) / name,
+        figures, module = train_and_score(args.recipe, args.steps, 3, Path(args.out) / f"{Path(args.recipe).stem}-{name}{tag}",
                                           overrides=("--data.init_args.features_dir", str(features)))
         stats = decode_tau(module, target, prompts, args.max_new_tokens, args.tree)
         taus[name] = stats["tau"]
@@ -82,7 +90,8 @@ def main() -> None:
               f"{[round(a, 3) for a in stats['alpha'] if a is not None]}, {figures['seconds']:.0f} s training",
               flush=True)
     print_result(f"tau_sharegpt={taus['sharegpt']:.3f} tau_self={taus['self']:.3f} "
-          f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit} self_limit={self_limit}")
+          f"ratio={taus['self'] / taus['sharegpt']:.3f} steps={args.steps} limit={args.limit} self_limit={self_limit} "
+          f"engine={args.engine} recipe={Path(args.recipe).stem}")
 
 
 if __name__ == "__main__":
