@@ -48,12 +48,10 @@ class Server:
                     code = server.fail.pop(0) if server.fail else 200
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
-                try:
-                    time.sleep(0.02)
-                    self.answer(code, body)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                time.sleep(0.02)
+                with server.lock:  # done before the reply goes out: the client's next request cannot overlap it
+                    server.in_flight -= 1
+                self.answer(code, body)
 
             def answer(self, code, body):
                 if code != 200:
