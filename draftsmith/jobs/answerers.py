@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 from draftsmith import DraftsmithError
 
+ENGINES = ("transformers", "vllm")  # the engines that run the target in this process (`--engine`)
 REASONING = ("keep", "drop")
 THINK = re.compile(r"^\s*(?:<think>)?.*?</think>\s*", re.DOTALL)  # a reasoning block, its opening tag optional
 PROBE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
@@ -167,8 +168,9 @@ class EndpointAnswerer:
 
     def _check_rendering(self) -> None:
         """The server must render chats to the target's token ids: the same tokenizer and chat template."""
-        mine = list(self.tok.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"])
+        from draftsmith.models.target import encode_chat
+
+        mine = encode_chat(self.tok, PROBE)
         tokenized = self._request("/tokenize", {"model": self.model, "messages": PROBE, "add_generation_prompt": True},
                                   optional=True)
         if tokenized is None:  # no /tokenize (a hosted API): the prompt's token count must agree

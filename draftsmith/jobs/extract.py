@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
+from draftsmith.jobs.answerers import ENGINES
 from draftsmith.options import ChatOptions, TargetOptions
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
@@ -64,8 +65,8 @@ class ExtractConfig(TargetOptions, ChatOptions):
             raise DraftsmithError(f"--feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
         if self.device_map is not None and self.devices > 1:
             raise DraftsmithError("--device_map places one target across devices; use it with --devices 1")
-        if self.engine not in ("transformers", "vllm"):
-            raise DraftsmithError(f"--engine must be transformers or vllm, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise DraftsmithError(f"--engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "vllm" and (self.devices > 1 or self.device_map or self.adapter):
             raise DraftsmithError("--engine vllm places the target itself: leave --devices, --device_map and --adapter out")
 

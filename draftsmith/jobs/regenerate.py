@@ -22,15 +22,14 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.files import json_lines
-from draftsmith.jobs.answerers import REASONING, EndpointAnswerer, GenerateAnswerer, VllmAnswerer
+from draftsmith.jobs.answerers import ENGINES, REASONING, EndpointAnswerer, GenerateAnswerer, VllmAnswerer
 from draftsmith.options import ChatOptions, SamplingOptions, TargetOptions
-
-ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -204,7 +203,7 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.models.target import load_tokenizer
+    from draftsmith.models.target import encode_chat, load_tokenizer
     from draftsmith.models.tokenizer import tokenizer_hash
 
     console = console or Console(stderr=True)
@@ -220,11 +219,7 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     todo = [c for c in convs if c.id not in done]
     counts: Counter = Counter()
     answerer = _answerer(cfg, tokenizer, console) if todo else None
-
-    def prompt_ids(messages: list[dict]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-
+    prompt_ids = partial(encode_chat, tokenizer)
     start = time.perf_counter()
     with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:

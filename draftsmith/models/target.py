@@ -169,8 +169,7 @@ class Target:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the chat template, ready for the assistant's next answer."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        return encode_chat(self.tokenizer, messages)
 
     def default_aux_layer_ids(self) -> list[int]:
         """EAGLE-3's default fused layers: [2, N//2, N-3] (SmolLM2-135M: [2, 15, 27])."""
@@ -197,6 +196,12 @@ class Target:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                output_hidden_states=captured.fallback)
         return out.last_hidden_state, captured.collect(out)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's next answer."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
 
 
 def eos_ids(tokenizer: Any, config: Any) -> tuple[int, ...]:
