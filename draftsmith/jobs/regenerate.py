@@ -246,7 +246,10 @@ def _answerer(cfg: RegenerateConfig, tokenizer: Any, console: Any) -> Any:
 
     if cfg.endpoint is not None:
         key = os.environ.get("DRAFTSMITH_API_KEY") or os.environ.get("OPENAI_API_KEY")
-        return EndpointAnswerer(cfg.endpoint, tokenizer, cfg, api_key=key, log=lambda line: console.print(line, markup=False))
+        def log(line: str) -> None:
+            console.print(line, markup=False, soft_wrap=True)
+
+        return EndpointAnswerer(cfg.endpoint, tokenizer, cfg, api_key=key, log=log)
     if cfg.engine == "vllm":
         return VllmAnswerer(resolve_source(cfg.target), tokenizer, cfg, resolve_dtype(cfg.dtype, cfg.device, "bulk"))
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,

@@ -123,7 +123,7 @@ def test_5xx_is_retried_with_backoff_and_4xx_stops_with_the_servers_message(tiny
 
     server.fail = [503, 502]
     out = tmp_path / "r.jsonl"
-    console = Console(stderr=True, width=200)
+    console = Console(stderr=True, width=40)  # a retry line is one line, however narrow the terminal
     regenerate(cfg(tiny, chats_file, out, server.url, limit=4), console=console)
     assert len(read(out)) == 4
     err = capsys.readouterr().err
