@@ -129,6 +129,16 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     console.print(summary_table(manifest, str(out)))
 
 
+def between_stages() -> None:
+    """A stage's objects are gone: collect them and hand their memory back before the next stage loads its own."""
+    import gc
+
+    from draftsmith.memory import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
+
+
 def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     import yaml
 
@@ -147,6 +157,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
 
     # 1. features (offline recipes)
     ensure_features(path, console, "1/4 extract")
+    between_stages()
 
     # 2. training, resumed from the newest last checkpoint, skipped when max_steps was reached
     last = _newest(root, "last*.ckpt")  # last-vN.ckpt: where Lightning had to keep an older last.ckpt
@@ -156,6 +167,8 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
         args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])
         cli = lightning_cli(args, run=False, resume=last)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=str(last) if last else None)
+        del cli
+    between_stages()
     best = best_checkpoint(root)  # Lightning's record of the best score, not a file name
 
     # 3. export

@@ -76,8 +76,11 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
             self.trainer.callbacks.append(save_on_sigterm())
             from draftsmith.train.progress import ProgressLog
 
-            if not any(isinstance(c, ProgressLog) for c in self.trainer.callbacks):
-                self.trainer.callbacks.append(ProgressLog())
+            from draftsmith.train.trainer import ReleaseFreedMemory
+
+            for callback in (ProgressLog, ReleaseFreedMemory):
+                if not any(isinstance(c, callback) for c in self.trainer.callbacks):
+                    self.trainer.callbacks.append(callback())
             if self.resume_from is not None:
                 keep_checkpoints_beside(self.trainer, Path(self.resume_from))
 

@@ -56,7 +56,9 @@ class ProgressLog(pl.Callback):
             return
         metrics = trainer.callback_metrics
         shown = [k for k in ("val/loss", "val/tau", "val/tau_t1", "val/confidence_auroc") if k in metrics]
-        self._write(f"step {trainer.global_step} validation: " + "  ".join(f"{k} {float(metrics[k]):.4f}" for k in shown))
+        elapsed = _clock(time.perf_counter() - self.start)
+        self._write(f"step {trainer.global_step} validation at {elapsed}: "
+                    + "  ".join(f"{k} {float(metrics[k]):.4f}" for k in shown))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.path is not None:

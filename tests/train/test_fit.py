@@ -27,6 +27,9 @@ def test_fit_logs_tau_per_validation_and_keeps_the_target_frozen(tiny_features, 
 
     cli = lightning_cli(["--config", str(recipe(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40,
                                                 aux_layer_ids=[0, 1, 2]))], run=False)
+    from draftsmith.train.trainer import ReleaseFreedMemory
+
+    assert any(isinstance(c, ReleaseFreedMemory) for c in cli.trainer.callbacks)  # fit's memory stays bounded
     cli.trainer.fit(cli.model, cli.datamodule)
     model = cli.model
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
@@ -383,7 +386,7 @@ def test_a_redirected_fit_shows_its_progress_in_lines_and_in_its_log(tiny_featur
                      "--trainer.val_check_interval", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     log = (tmp_path / "run" / "logs" / "version_0" / "train.log").read_text()
-    for line in ("training DrafterModule for 2 steps", "step 2 validation: val/loss", "val/tau", "done: 2 steps"):
+    for line in ("training DrafterModule for 2 steps", "step 2 validation at 0:", "val/loss", "val/tau", "done: 2 steps"):
         assert line in log and line in result.stderr, line
 
 
