@@ -13,6 +13,7 @@ rusage of that process); the arms alternate over `--passes`. Ends with
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import statistics
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import alternate, parser, print_result
+from harness import alternate, clock_seconds, parser, print_result
 
 ROOT = Path(__file__).resolve().parent.parent
 FIT = """
@@ -36,7 +37,7 @@ if arm != "released":
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, ReleaseFreedMemory)]
 cli.trainer.fit(cli.model, cli.datamodule)
 """
-DONE = re.compile(r"done: (\d+) steps in (?:(\d+):)?(\d+):(\d+)")
+DONE = re.compile(r"done: (\d+) steps in ([0-9:]+)")
 
 
 def fit(arm: str, recipe: str, steps: int, root: Path) -> tuple[float, float]:
@@ -52,8 +53,7 @@ def fit(arm: str, recipe: str, steps: int, root: Path) -> tuple[float, float]:
         raise SystemExit(f"fit failed ({proc.returncode}): {' '.join(args)}")
     log = max(root.glob("logs/version_*/train.log"), key=lambda p: p.stat().st_mtime).read_text()
     m = DONE.search(log)
-    seconds = int(m[2] or 0) * 3600 + int(m[3]) * 60 + int(m[4])
-    return usage.ru_maxrss / 2**20, seconds / int(m[1])
+    return usage.ru_maxrss / 2**20, clock_seconds(m[2]) / int(m[1])
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=["kept", "released", "mapped"], choices=["kept", "released", "mapped"])
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = iter(range(10**6))
+        runs = itertools.count()
         results = alternate({arm: (lambda arm=arm: fit(arm, args.recipe, args.steps, Path(tmp) / f"run{next(runs)}"))
                              for arm in args.arms}, args.passes)
     out, step = {}, {arm: statistics.median(v[1] for v in values) for arm, values in results.items()}

@@ -71,6 +71,14 @@ def machine() -> str:
     return f"{cpu}{gpu}, torch {torch.__version__}"
 
 
+def clock_seconds(clock: str) -> int:
+    """Seconds of a `train.log` clock as `draftsmith fit` writes it: "M:SS" or "H:MM:SS"."""
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds
+
+
 def result_line(keys: dict[str, Any] | str) -> str:
     """`RESULT key=value ...` from a dict (values as the caller formatted them) or a ready "k=v ..." string."""
     return "RESULT " + (keys if isinstance(keys, str) else " ".join(f"{k}={v}" for k, v in keys.items()))

@@ -23,10 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import parser, print_result
+from harness import clock_seconds, parser, print_result
 
 ROOT = Path(__file__).resolve().parent.parent
-LINE = re.compile(r"step (\d+) validation at (?:(\d+):)?(\d+):(\d+):.*?val/tau ([0-9.]+)")
+LINE = re.compile(r"step (\d+) validation at ([0-9:]+): .*?val/tau ([0-9.]+)")
 
 
 def read_curve(log: Path) -> list[tuple[float, int, float]]:
@@ -35,8 +35,7 @@ def read_curve(log: Path) -> list[tuple[float, int, float]]:
     for line in log.read_text().splitlines():
         m = LINE.search(line)
         if m:
-            hours, minutes, seconds = int(m[2] or 0), int(m[3]), int(m[4])
-            points.append((hours * 60 + minutes + seconds / 60, int(m[1]), float(m[5])))
+            points.append((clock_seconds(m[2]) / 60, int(m[1]), float(m[3])))
     if not points:
         raise SystemExit(f"{log}: no validation lines with val/tau (was it written by `draftsmith fit`?)")
     return points
