@@ -147,8 +147,9 @@ def run_arm(arm: str, target: Path, assets: Path, args, extra: list[str]) -> Non
                  "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
                  "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(assets / "runs" / arm),
                  "--model.init_args.target", str(target), "--model.init_args.warmup_steps", str(args.warmup * 2),
-                 "--data.init_args.data", str(assets / "chats.jsonl"),
-                 "--data.init_args.max_tokens", str(args.max_tokens), "--data.init_args.max_length", str(args.max_length)]
+                 "--data.init_args.data", str(assets / "chats.jsonl"), "--data.init_args.max_length", str(args.max_length)]
+    if args.max_tokens:
+        overrides += ["--data.init_args.max_tokens", str(args.max_tokens)]
     if args.device == "cpu":
         overrides += ["--trainer.accelerator", "cpu"]
     cli = lightning_cli(overrides + extra, run=False)
@@ -172,7 +173,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps an arm runs at most")
     ap.add_argument("--minutes", type=float, default=2.5, help="an arm's training time at most")
     ap.add_argument("--warmup", type=int, default=10, help="steps before the timing starts")
-    ap.add_argument("--max-tokens", type=int, default=8192, help="padded tokens a batch")
+    ap.add_argument("--max-tokens", type=int, default=None, help="padded tokens a batch (default: the recipe's)")
     ap.add_argument("--max-length", type=int, default=2048, help="tokens a chat")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # the parent runs each arm as `--arm NAME --target DIR`

@@ -21,7 +21,7 @@ from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import adamw_warmup_cosine
+from draftsmith.train.optim import adamw_warmup_cosine, clip_gradients
 
 
 class DistillModule(pl.LightningModule):
@@ -152,6 +152,10 @@ class DistillModule(pl.LightningModule):
         self.log("val/acc", acc)
         self.log("val/tau", 1 + sum(acc**i for i in range(1, k + 1)), prog_bar=True)  # i.i.d. chain of K
         self.val_metric.reset()
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams

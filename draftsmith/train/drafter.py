@@ -29,7 +29,7 @@ from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import adamw_warmup_cosine
+from draftsmith.train.optim import adamw_warmup_cosine, clip_gradients
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 
@@ -313,6 +313,10 @@ class DrafterModule(pl.LightningModule):
         for k, v in self.val_metric.compute().items():
             self.log(f"val/{k}", v, prog_bar=k == "tau", sync_dist=False)
         self.val_metric.reset()
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams

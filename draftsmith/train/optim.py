@@ -1,4 +1,5 @@
-"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor.
+"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor; and the
+gradient clipping every training module uses.
 
 The schedule is transformers' `get_cosine_with_min_lr_schedule_with_warmup`: the learning rate rises
 linearly from 0 over `warmup_steps`, then follows half a cosine down to `min_lr_ratio · lr` at the
@@ -22,3 +23,17 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup_steps, max(1, int(total_steps)),
                                                             min_lr_rate=min_lr_ratio)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def clip_gradients(module: Any, optimizer: torch.optim.Optimizer, clip_val: float | None,
+                   algorithm: str | None) -> None:
+    """A training module's `configure_gradient_clipping`: Lightning's clipping, except by norm under FSDP.
+
+    Lightning's FSDP precision refuses `gradient_clip_algorithm="norm"` (each rank holds only a shard of
+    every gradient); the FSDP root module's own `clip_grad_norm_` reduces the shards' norms across ranks."""
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    if clip_val and algorithm in (None, "norm") and isinstance(module.trainer.strategy, FSDPStrategy):
+        module.trainer.model.clip_grad_norm_(clip_val)
+    else:
+        module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)

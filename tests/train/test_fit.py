@@ -304,6 +304,40 @@ def test_under_fsdp_the_frozen_target_parts_join_the_drafters_dtype(tiny_target_
     assert dtypes(DDPStrategy()) == {torch.float32, torch.bfloat16}  # elsewhere they stay the target's
 
 
+def test_under_fsdp_gradients_are_clipped_by_norm_through_the_sharded_root(tiny_target_dir):
+    """Lightning's FSDP precision refuses `gradient_clip_algorithm="norm"` (the 8B DFlash recipe's clipping)
+    at the first step; the modules clip through the FSDP root's own `clip_grad_norm_` there, and through
+    Lightning's clipping elsewhere."""
+    from types import SimpleNamespace
+
+    import pytorch_lightning as pl
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+    from pytorch_lightning.plugins.precision import FSDPPrecision, Precision
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+    from pytorch_lightning.utilities import GradClipAlgorithmType
+
+    from draftsmith.train.drafter import DrafterModule
+
+    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2])
+    module.configure_model()
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1)
+    clipped, clipping = [], {"gradient_clip_val": 1.0, "gradient_clip_algorithm": GradClipAlgorithmType.NORM}
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), precision_plugin=FSDPPrecision("bf16-mixed"),
+                                      model=SimpleNamespace(clip_grad_norm_=clipped.append), **clipping)
+    with pytest.raises(MisconfigurationException, match="not supported for `FSDPPrecision`"):
+        pl.LightningModule.configure_gradient_clipping(module, opt, 1.0, "norm")  # Lightning's own hook
+    module.configure_gradient_clipping(opt, 1.0, "norm")
+    assert clipped == [1.0]
+
+    for p in params:
+        p.grad = torch.full_like(p, 10.0)
+    module._trainer = SimpleNamespace(strategy=DDPStrategy(), precision_plugin=Precision(), model=module, **clipping)
+    module.configure_gradient_clipping(opt, 1.0, "norm")
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) == pytest.approx(1.0, rel=1e-4)
+    assert clipped == [1.0]
+
+
 def test_fit_is_free_of_lightning_noise_a_user_cannot_act_on(tiny_features, tmp_path, monkeypatch):
     """No "args parameter is intended to run from within Python" warning, no litlogger advert."""
     import logging
