@@ -17,7 +17,7 @@ Notation: B batch, T sequence, H hidden, Ht target hidden, k fused layers, V voc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -89,6 +89,36 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", draft_ids - torch.arange(len(draft_ids)))  # (Vd,) offsets
         self.register_buffer("t2d", t2d)  # (V,)
         self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
+
+    def start_from_target_layer(self, source: nn.Module, norm_scale: Callable[[nn.Module], torch.Tensor]) -> None:
+        """Start the draft layer from a target decoder layer (`DrafterModule`'s `init_layer`) in place of a random
+        one: its attention projections read the feature half of the 2H input (the token half keeps its small
+        random start), its MLP (where the layer has a dense one of the drafter's width) and its norms'
+        scales (`norm_scale`, any family's convention) as they are, and fc passes the last fused layer
+        through (an identity beside a tenth of its random start): the first drafting step runs that target
+        layer on the target's late features."""
+        h = self.config.hidden_size
+        attn, mine = source.self_attn, self.layer.self_attn
+        pairs = [(mine.q_proj.weight[:, h:], attn.q_proj.weight), (mine.k_proj.weight[:, h:], attn.k_proj.weight),
+                 (mine.v_proj.weight[:, h:], attn.v_proj.weight), (mine.o_proj.weight, attn.o_proj.weight)]
+        if all(hasattr(source.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            pairs += [(getattr(self.layer.mlp, n).weight, getattr(source.mlp, n).weight)
+                      for n in ("gate_proj", "up_proj", "down_proj")]
+        bad = [tuple(src.shape) for dst, src in pairs if dst.shape != src.shape]
+        if bad or self.target_hidden_size != h:
+            raise DraftsmithError(f"init_layer: the target layer's weights {bad or 'hidden size'} do not fit the draft "
+                                  f"layer (hidden {h}): start from a random layer (init_layer: null)")
+        # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's output)
+        mlp_norm = getattr(source, "pre_feedforward_layernorm", None) or source.post_attention_layernorm
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+            for dst, src in ((self.layer.input_layernorm, source.input_layernorm),
+                             (self.layer.hidden_norm, source.input_layernorm),
+                             (self.layer.post_attention_layernorm, mlp_norm)):
+                dst.weight.copy_(norm_scale(src))
+            self.fc.weight.mul_(0.1)
+            self.fc.weight[:, -h:] += torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

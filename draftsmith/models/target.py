@@ -152,15 +152,25 @@ class Target:
         return self.model.get_output_embeddings()
 
     def final_norm_scale(self) -> torch.Tensor | None:
-        """The per-channel scale of the target's final norm as an RMSNorm multiplies it (H,): its
-        weight for Llama-like norms, 1 + weight for Gemma's; read by running the norm on a constant
-        vector (whose RMS normalization is exactly 1), so any family's convention comes out right.
+        """The per-channel scale of the target's final norm as an RMSNorm multiplies it (H,) (`norm_scale`);
         None when the decoder has no final `norm`."""
         norm = getattr(self.decoder, "norm", None)
-        if norm is None:
-            return None
+        return None if norm is None else self.norm_scale(norm)
+
+    def norm_scale(self, norm: torch.nn.Module) -> torch.Tensor:
+        """The per-channel scale one of the target's RMSNorms multiplies by (H,): its weight for Llama-like
+        norms, 1 + weight for Gemma's; read by running the norm on a constant vector (whose RMS
+        normalization is exactly 1), so any family's convention comes out right."""
         with torch.no_grad():
             return norm(torch.full((1, self.hidden_size), 1e3, dtype=self.dtype, device=self.device))[0].detach()
+
+    def decoder_layer(self, index: int, where: str) -> torch.nn.Module:
+        """Decoder layer `index` (0-based; negative counts from the last), or a clear error naming `where`."""
+        layers = getattr(self.decoder, "layers", None)
+        if layers is None or not -len(layers) <= index < len(layers):
+            raise DraftsmithError(f"{where}: {self.identity.name} has no decoder layer {index} "
+                                  f"(it has {self.num_layers}: use 0..{self.num_layers - 1}, or -1 for the last)")
+        return layers[index]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -96,6 +96,8 @@ class DrafterModule(pl.LightningModule):
         mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
             the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
+        init_layer: start an eagle3-family drafter's layer from this target decoder layer (0-based, -1 the
+            last; `Eagle3Drafter.start_from_target_layer`) instead of a random one; None: random.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
@@ -117,7 +119,7 @@ class DrafterModule(pl.LightningModule):
                  topk_weight: float = 0.0, topk: int = 10, acceptance_weight: float = 0.0,
                  acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0, fc_norm: bool = False,
                  norm_before_fc: bool = False, norm_output: bool = False, mask_token_id: int | None = None,
-                 feature_noise: float = 0.0, lr: float = 3e-4, weight_decay: float = 0.0,
+                 feature_noise: float = 0.0, init_layer: int | None = None, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
                  online: bool = False,
@@ -158,6 +160,8 @@ class DrafterModule(pl.LightningModule):
                                                     self._draft_ids(target) if kind.pruned_vocab else None,
                                                     len(self.aux_layer_ids), target.hidden_size,
                                                     **self.drafter_options(target))
+        if self.hparams.get("init_layer") is not None:
+            self._start_from_target_layer(target, kind)
         # the target's full-vocabulary head, for the distillation targets (a shared head is the drafter's own)
         self.softcap = logit_softcap(target.config)
         self.target_head = self.drafter.lm_head if "lm_head.weight" in kind.frozen else frozen_linear(head)
@@ -167,6 +171,13 @@ class DrafterModule(pl.LightningModule):
             self.drafter.float()
             self.target_head.float()
         self.drafter.to(self.device)
+
+    def _start_from_target_layer(self, target: Any, kind: DrafterKind) -> None:
+        start = getattr(self.drafter, "start_from_target_layer", None)
+        if start is None:
+            raise DraftsmithError(f"init_layer: {kind.title} drafters start from a random layer; init_layer is an "
+                                  "option of the eagle3 kinds (eagle3, peagle)")
+        start(target.decoder_layer(self.hparams.init_layer, "model.init_args.init_layer"), target.norm_scale)
 
     def drafter_options(self, target: Any) -> dict[str, Any]:
         """The kind's model options (`DrafterKind.options`) as this module's hyper-parameters set them."""

@@ -96,3 +96,43 @@ def test_eagle3_vocab_mapping():
     assert drafter.vocab_size == 25 and drafter.t2d.sum() == 25
     assert torch.equal(drafter.draft_to_target, torch.arange(0, V, 2))
     torch.testing.assert_close(drafter.lm_head.weight, make_llama(V, hidden=H).lm_head.weight[::2])
+
+
+def test_init_layer_starts_the_draft_layer_as_that_target_layer(tiny_target_dir):
+    """With its token half silenced, a draft layer started from target layer -1 computes exactly that layer
+    on the features it reads (attention, MLP and norm scales copied); fc passes the last fused layer through."""
+    from draftsmith.models.target import load_target
+    from draftsmith.train.drafter import DrafterModule
+
+    torch.manual_seed(0)
+    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], init_layer=-1)
+    module.configure_model()
+    drafter, target = module.drafter, load_target(str(tiny_target_dir))
+    source, h = target.decoder.layers[-1], target.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(drafter.layer.self_attn, name).weight[:, :h] = 0
+        g = torch.randn(1, 5, h)
+        pos = torch.arange(5)[None]
+        pe = drafter.rotary(g, pos)
+        mine = drafter.layer(torch.randn(1, 5, h), g, None, pos, pe)
+        theirs = source(hidden_states=g, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    fc = drafter.fc.weight
+    assert torch.allclose(torch.diagonal(fc[:, -h:]), torch.ones(h), atol=0.1)  # the identity, a tenth of noise
+    assert fc[:, :-h].abs().max() < 0.02
+
+    random = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2])
+    random.configure_model()
+    assert not torch.equal(random.drafter.layer.mlp.gate_proj.weight, source.mlp.gate_proj.weight)
+
+
+def test_init_layer_refuses_a_layer_the_target_lacks_and_a_kind_without_it(tiny_target_dir):
+    from draftsmith import DraftsmithError
+    from draftsmith.train.drafter import DrafterModule
+
+    with pytest.raises(DraftsmithError, match="has no decoder layer 9"):
+        DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], init_layer=9).configure_model()
+    with pytest.raises(DraftsmithError, match="option of the eagle3 kinds"):
+        DrafterModule(str(tiny_target_dir), kind="eagle", init_layer=-1).configure_model()
