@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import alternate, clock_seconds, parser, print_result
+from harness import alternate, clock_seconds, newest_train_log, parser, print_result
 
 ROOT = Path(__file__).resolve().parent.parent
 FIT = """
@@ -51,7 +51,7 @@ def fit(arm: str, recipe: str, steps: int, root: Path) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"fit failed ({proc.returncode}): {' '.join(args)}")
-    log = max(root.glob("logs/version_*/train.log"), key=lambda p: p.stat().st_mtime).read_text()
+    log = newest_train_log(root).read_text()
     m = DONE.search(log)
     return usage.ru_maxrss / 2**20, clock_seconds(m[2]) / int(m[1])
 

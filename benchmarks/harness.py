@@ -11,6 +11,7 @@ import argparse
 import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -69,6 +70,11 @@ def machine() -> str:
         pass
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{cpu}{gpu}, torch {torch.__version__}"
+
+
+def newest_train_log(root: Path) -> Path:
+    """The `train.log` of the newest run `draftsmith fit` made under `--trainer.default_root_dir` `root`."""
+    return max(root.glob("logs/version_*/train.log"), key=lambda p: p.stat().st_mtime)
 
 
 def clock_seconds(clock: str) -> int:

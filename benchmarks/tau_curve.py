@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import clock_seconds, parser, print_result
+from harness import clock_seconds, newest_train_log, parser, print_result
 
 ROOT = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"step (\d+) validation at ([0-9:]+): .*?val/tau ([0-9.]+)")
@@ -50,7 +50,7 @@ def train(name: str, spec: str, val_every: int, out: Path) -> Path:
             "--trainer.enable_progress_bar", "false", *[a for a in extra.split(",") if a]]
     print(f"{name}: {' '.join(args[2:])}", flush=True)
     subprocess.run(args, check=True, cwd=ROOT)
-    return max(root.glob("logs/version_*/train.log"), key=lambda p: p.stat().st_mtime)
+    return newest_train_log(root)
 
 
 def gain_last_quarter(points: list[tuple[float, int, float]]) -> float:
