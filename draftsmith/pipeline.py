@@ -60,16 +60,17 @@ def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
 
 
 def _check_feature_source(out: Path, chats: dict[str, Any], model: dict[str, Any], recipe: Path) -> None:
-    """Refuse a feature directory made from other chats than the recipe's `chats` (data, limit,
-    max_length) or for another target than its `model`'s (its name, or its tokenizer and chat template):
-    it would resume or be reused as if it were the recipe's."""
+    """Refuse a feature directory made from other chats than the recipe's `chats` (data, max_length; a
+    limit may differ: extraction extends or cuts the directory to the recipe's) or for another target than
+    its `model`'s (its name, or its tokenizer and chat template): it would resume or be reused as if it
+    were the recipe's."""
     from draftsmith.data.shards import recorded
 
     source = recorded(out, "data")
     if source is None:
         return
-    held = {"data": source["source"], "limit": source["limit"], "max_length": recorded(out, "max_length")}
-    diffs = [f"{k}: {held[k]!r} there, {chats[k]!r} in the recipe" for k in chats if held[k] != chats[k]]
+    held = {"data": source["source"], "max_length": recorded(out, "max_length")}
+    diffs = [f"{k}: {held[k]!r} there, {chats[k]!r} in the recipe" for k in held if held[k] != chats[k]]
     target = recorded(out, "target") or {}
     if target.get("name") != model["target"]:
         diffs.append(f"target: {target.get('name')!r} there, {model['target']!r} in the recipe")
@@ -87,9 +88,10 @@ def _check_feature_source(out: Path, chats: dict[str, Any], model: dict[str, Any
 
 def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     """Extract an offline recipe's features when its feature directory has none (a partial extraction
-    resumes), or when it lacks layers the recipe needs: then the directory is re-extracted with the
-    layers it held and the new ones (into a sibling folder, swapped in once complete), so the recipes
-    that share it keep working."""
+    resumes) or holds another number of the chats (it is extended or cut to the recipe's limit: only the
+    parts it lacks are extracted), or when it lacks layers the recipe needs: then the directory is
+    re-extracted with the layers it held and the new ones (into a sibling folder, swapped in once
+    complete), so the recipes that share it keep working."""
     import json
     import shutil
 
@@ -108,13 +110,14 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     _check_feature_source(out, chats, model, recipe)
     needed, held = _layers_needed(model, data), None
     if (out / MANIFEST_FILE).is_file():
-        held = read_manifest(out)["layer_ids"]
-        if set(needed) <= set(held):
+        manifest = read_manifest(out)
+        held = manifest["layer_ids"]
+        if set(needed) <= set(held) and manifest["data"]["limit"] == chats["limit"]:
             return
     layer_ids = sorted(set(needed) | set(held or []))
     console.rule(f"[bold]{title}")
     dest = out
-    if held is not None:
+    if held is not None and not set(needed) <= set(held):
         dest = out.with_name(out.name + ".relayered")
         started = dest / RUN_FILE
         if started.is_file() and json.loads(started.read_text()).get("layer_ids") != layer_ids:

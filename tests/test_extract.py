@@ -67,6 +67,20 @@ def test_rerun_resumes_and_mixing_is_refused(tiny_target_dir, chats_file, tmp_pa
         FeatureReader(out, layer_ids=[2])
 
 
+def test_a_larger_limit_extends_the_directory_and_a_smaller_one_cuts_it(tiny_target_dir, chats_file, tmp_path):
+    out = tmp_path / "f"
+    extract(cfg(tiny_target_dir, chats_file, out, limit=20))  # parts of 8, 8 and 4 conversations
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    grown = extract(cfg(tiny_target_dir, chats_file, out, limit=40))
+    assert grown["this_run"]["shards_written"] == 3 and grown["num_records"] == 40 and grown["data"]["limit"] == 40
+    now = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert [n for n in kept if now[n] == kept[n]] == ["shard-000000.safetensors", "shard-000001.safetensors"]
+    extract(cfg(tiny_target_dir, chats_file, tmp_path / "whole", limit=40))
+    assert_same_shards(out, tmp_path / "whole")  # the last part of 4 was written again with its 8
+    cut = extract(cfg(tiny_target_dir, chats_file, out, limit=20))
+    assert cut["num_records"] == 20 and len(cut["shards"]) == 3 and len(FeatureReader(out)) == 20
+
+
 KILL_AFTER_TEMP_WRITE = killed_after_writes(3)  # the 3rd shard is written, not yet renamed
 
 

@@ -112,9 +112,13 @@ def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_add
     cfg = yaml.safe_load(other.read_text())
     cfg["data"]["init_args"].update(limit=5, max_length=64)
     other.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(DraftsmithError, match=r"holds features of other chats or another target \(limit: None there, "
-                                              r"5 in the recipe; max_length: 128 there, 64 in the recipe\)"):
+    with pytest.raises(DraftsmithError, match=r"holds features of other chats or another target \(max_length: 128 "
+                                              r"there, 64 in the recipe\)"):
         ensure_features(other, console)
+    cfg["data"]["init_args"].update(max_length=128)  # fewer of the same chats: the directory is cut to them
+    other.write_text(yaml.safe_dump(cfg))
+    ensure_features(other, console)
+    assert read_manifest(features)["num_records"] == 5 and read_manifest(features)["layer_ids"] == [0, 1, 2]
     cfg["data"]["init_args"].update(limit=None, max_length=128)  # the same chats, for another target
     cfg["model"]["init_args"]["target"] = str(save_tiny_target(root / "other-target", seed=1))
     other.write_text(yaml.safe_dump(cfg))

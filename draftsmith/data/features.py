@@ -71,7 +71,7 @@ def build_manifest(out: Path, num_parts: int, source_report: dict[str, Any] | No
     totals = Counter()
     for p in range(num_parts):
         meta = shard_meta(out / shard_name(p))
-        diffs = run_mismatch(run, meta["run"])
+        diffs = run_mismatch(run, meta["run"], extendable=True)
         if diffs:
             raise DraftsmithError(f"{out / shard_name(p)} was made differently from {RUN_FILE}: {'; '.join(diffs)}")
         shards.append({"file": shard_name(p), "num_records": meta["num_records"], "num_tokens": meta["num_tokens"]})

@@ -2,7 +2,9 @@
 
 A shard directory holds:
 - `run.json`: what every shard in it is made with, written by the first run and checked by
-  every later one (`claim_directory`), so shards made differently never mix;
+  every later one (`claim_directory`), so shards made differently never mix (where a directory is
+  `extendable`, a run may take more or fewer of the same source's conversations: the first N of a
+  source are a prefix of its first M > N, and each part is one fixed slice of them);
 - `<prefix>-NNNNNN.safetensors`: one fixed slice of the conversations, tensors concatenated
   over its records with `offsets` (R+1,) marking each record's rows; its metadata "draftsmith"
   holds the record ids and what the slice skipped;
@@ -61,17 +63,23 @@ def remove_stale(out: Path, prefix: str, owns: Callable[[int], bool] = lambda pa
             stale.unlink(missing_ok=True)
 
 
-def comparable_run(run: dict[str, Any]) -> dict[str, Any]:
-    """The part of a run description that must agree for shards to mix (not the target's name)."""
+SOURCE_EXTENT = ("limit", "num_conversations")  # how many of a source's conversations a run takes
+
+
+def comparable_run(run: dict[str, Any], extendable: bool = False) -> dict[str, Any]:
+    """The part of a run description that must agree for shards to mix (not the target's name; where
+    `extendable`, not how many of the source's conversations the run takes)."""
     out = {k: v for k, v in run.items() if k != "target"}
     out["target"] = {k: v for k, v in run["target"].items() if k != "name"}
+    if extendable and isinstance(out.get("data"), dict):
+        out["data"] = {k: v for k, v in out["data"].items() if k not in SOURCE_EXTENT}
     return out
 
 
-def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+def run_mismatch(mine: dict[str, Any], theirs: dict[str, Any], extendable: bool = False) -> list[str]:
     from draftsmith.models.target import identity_differences
 
-    a, b = comparable_run(mine), comparable_run(theirs)
+    a, b = comparable_run(mine, extendable), comparable_run(theirs, extendable)
     diffs = [f"target.{d}" for d in identity_differences(b["target"], a["target"], ignore=())]
     diffs += [f"{k}: {b.get(k)!r} there, {a[k]!r} here" for k in a if k != "target" and a[k] != b.get(k)]
     return diffs
@@ -83,19 +91,25 @@ def recorded(out: Path, key: str) -> Any:
     return json.loads(path.read_text()).get(key) if path.is_file() else None
 
 
-def claim_directory(out: Path, run: dict[str, Any], what: str) -> None:
-    """Create `out` for this run, or check that the `what` (features, labels) already there were made the same way."""
+def claim_directory(out: Path, run: dict[str, Any], what: str, extendable: bool = False) -> None:
+    """Create `out` for this run, or check that the `what` (features, labels) already there were made the
+    same way; `extendable`: from more or fewer of the same source's conversations too (run.json then
+    records this run's)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RUN_FILE
     if not path.exists():
         write_json_atomic(path, run)
         return
-    diffs = run_mismatch(run, json.loads(path.read_text()))
+    old = json.loads(path.read_text())
+    diffs = run_mismatch(run, old, extendable)
     if diffs:
         raise DraftsmithError(
             f"{out} holds {what} made differently ({'; '.join(diffs)}); "
             "refusing to mix them: choose another --out, or delete that directory to start over"
         )
+    if old.get("data") != run.get("data"):  # extended (or cut): unfinished until its manifest is rebuilt
+        (out / MANIFEST_FILE).unlink(missing_ok=True)
+        write_json_atomic(path, run)
 
 
 def read_manifest(directory: str | Path, what: str, unfinished: str, missing: str) -> dict[str, Any]:

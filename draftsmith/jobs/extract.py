@@ -2,7 +2,9 @@
 
 The conversations are cut into fixed parts of `shard_size`; part p becomes shard p, and
 process r of N extracts the parts p ≡ r (mod N). The shards are therefore the same
-whatever N is and however often the run was interrupted: a rerun skips finished shards.
+whatever N is and however often the run was interrupted: a rerun skips finished shards, and a
+rerun with a larger --limit extends the directory (the first N conversations of a source are a
+prefix of its first M > N: only the parts the directory lacks are extracted).
 Notation: B batch, T sequence, H hidden.
 """
 
@@ -193,10 +195,10 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         "shard_size": cfg.shard_size,
     }
     if rank == 0:
-        claim_directory(out, run, "features")
+        claim_directory(out, run, "features", extendable=True)
     barrier()
     if rank != 0:
-        claim_directory(out, run, "features")
+        claim_directory(out, run, "features", extendable=True)
 
     engine = None
     if cfg.engine == "vllm":
@@ -209,8 +211,9 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         engine = VllmFeatures(resolve_source(cfg.target), target, layer_ids, dtype, cfg.max_length,
                               cfg.trust_remote_code)
     num_parts = math.ceil(len(convs) / cfg.shard_size)
-    existing = sum((out / shard_name(p)).exists() for p in range(num_parts))
-    todo = [p for p in range(rank, num_parts, world) if not (out / shard_name(p)).exists()]
+    done = [holds_part(out / shard_name(p), min(cfg.shard_size, len(convs) - p * cfg.shard_size)) for p in range(num_parts)]
+    existing = sum(done)
+    todo = [p for p in range(rank, num_parts, world) if not done[p]]
     remove_stale(out, "shard", owns=lambda part: part % world == rank)  # each part is one rank's
     mine = sum(min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in todo)
 
@@ -249,6 +252,17 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
                                             "seconds": round(elapsed, 2),
                                             "tokens_per_second": round(tokens / elapsed, 1) if elapsed else None})
     return manifest
+
+
+def holds_part(path: Path, size: int) -> bool:
+    """Whether the shard at `path` is finished for a part of `size` conversations: a shard written under a
+    smaller --limit may hold fewer (that run's last part), and is then written again."""
+    from draftsmith.data.shards import shard_meta
+
+    if not path.exists():
+        return False
+    meta = shard_meta(path)
+    return meta["num_records"] + sum(meta["skipped"].values()) == size
 
 
 def summary_table(manifest: dict[str, Any], out: str) -> Any:
