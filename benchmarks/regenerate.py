@@ -2,12 +2,14 @@
 
 The same first user turns of `--prompts` ShareGPT conversations (default 200), `--max-new-tokens` each
 (default 256), answered by the target (the embedded default) through `draftsmith regenerate`'s three
-answerers in one process: transformers' generate in batches of `--batch-size` (regenerate's default 16),
-vLLM's `LLM` fed every prompt of a pass at once, and an OpenAI-compatible `vllm serve` on a free
-127.0.0.1 port with `--concurrency` requests in flight. The prompts are split into `--passes` passes and
-the arms alternate within each pass (their order rotated), so a busy neighbour weighs on all alike. One
-dtype for all (`--dtype auto`: measured on this machine for batched work). Tokens/s counts the answer
-tokens each arm generated over its seconds; greedy (T = 0), so the arms' answers are also compared.
+answerers in one process and through the command's own loop (`regenerate_chunk`: prompts grouped by
+length, a prompt without room for a full answer within `--max-length` skipped, as `regenerate` does):
+transformers' generate in batches of `--batch-size` (regenerate's default 16), vLLM's `LLM` fed every
+prompt of a pass at once, and an OpenAI-compatible `vllm serve` on a free 127.0.0.1 port with
+`--concurrency` requests in flight. The prompts are split into `--passes` passes and the arms alternate
+within each pass (their order rotated), so a busy neighbour weighs on all alike. One dtype for all
+(`--dtype auto`: measured on this machine for batched work). Tokens/s counts the answer tokens each arm
+generated over its seconds; greedy (T = 0), so the arms' answers are also compared.
 
 Runs in .venv-engines (vLLM's CPU build beside draftsmith, `make engines`):
 
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=2048, help="prompt + answer tokens (regenerate's default)")
     ap.add_argument("--batch-size", type=int, default=16, help="transformers' batch")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight at the endpoint")
     ap.add_argument("--dtype", default="auto")
@@ -72,6 +76,7 @@ def main() -> None:
 
     from draftsmith.data.conversations import load_conversations
     from draftsmith.jobs.answerers import EndpointAnswerer, GenerateAnswerer, VllmAnswerer
+    from draftsmith.jobs.regenerate import regenerate_chunk
     from draftsmith.models.precision import resolve_dtype
     from draftsmith.models.sources import resolve_source
     from draftsmith.models.target import load_target
@@ -79,40 +84,30 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(args.dtype, "cpu", "bulk")
     convs, _ = load_conversations("sharegpt", limit=args.prompts)
-    chats = [[next(m for m in c.messages if m["role"] == "user")] for c in convs]
     target = load_target(TARGET, dtype=dtype)
-    chats = [(m, target.encode_chat(m)) for m in chats]
-    max_len = max(len(ids) for _, ids in chats) + args.max_new_tokens + 8
     cfg = SimpleNamespace(target=TARGET, max_new_tokens=args.max_new_tokens, temperature=0.0, top_p=None, top_k=None,
                           seed=0, reasoning="keep", batch_size=args.batch_size, trust_remote_code=False,
-                          max_length=max_len, served_model=None, concurrency=args.concurrency, retries=3, retry_wait=2.0,
-                          request_timeout=1800.0)
-    print(f"{len(chats)} prompts × {args.max_new_tokens} tokens, {dtype}; {machine()}", flush=True)
-    server, url = start_server(resolve_source(TARGET), dtype, max_len, args.out / "server.log")
+                          max_length=args.max_length, turns="first", served_model=None, concurrency=args.concurrency,
+                          retries=3, retry_wait=2.0, request_timeout=1800.0)
+    print(f"{len(convs)} prompts × {args.max_new_tokens} tokens, {dtype}; {machine()}", flush=True)
+    server, url = start_server(resolve_source(TARGET), dtype, args.max_length, args.out / "server.log")
     try:
         answerers = {"transformers": GenerateAnswerer(target, cfg),
                      "vllm": VllmAnswerer(resolve_source(TARGET), target.tokenizer, cfg, dtype),
                      "endpoint": EndpointAnswerer(url, target.tokenizer, cfg)}
-        size = -(-len(chats) // args.passes)
-        slices = range(0, len(chats), size)
-        answers: dict[str, list] = {name: [] for name in answerers}
+        size = -(-len(convs) // args.passes)
+        answers: dict[str, dict] = {name: {} for name in answerers}
+        counts: dict[str, Counter] = {name: Counter() for name in answerers}
         seconds: dict[str, float] = {name: 0.0 for name in answerers}
-
-        def arm(name: str, part: slice):
-            def run():
-                batch = chats[part]
-                step = answerers[name].batch_size or len(batch)
-                for b in range(0, len(batch), step):
-                    start = time.perf_counter()
-                    answers[name] += answerers[name].answer(batch[b:b + step])
-                    seconds[name] += time.perf_counter() - start
-            return run
-
-        for i, begin in enumerate(slices):
-            part, names = slice(begin, begin + size), list(answerers)
+        for i, begin in enumerate(range(0, len(convs), size)):
+            names = list(answerers)
             for name in names[i % len(names):] + names[:i % len(names)]:  # the order rotated from pass to pass
-                arm(name, part)()
-            print({name: f"{len(answers[name])} answers, {sum(a.tokens for a in answers[name]) / seconds[name]:.1f} tok/s"
+                start = time.perf_counter()
+                records = regenerate_chunk(answerers[name], target.encode_chat, convs[begin:begin + size], cfg,
+                                           counts[name])
+                seconds[name] += time.perf_counter() - start
+                answers[name].update((r["id"], r["messages"][-1]["content"]) for r in records)
+            print({name: f"{len(answers[name])} answers, {counts[name]['answer_tokens'] / seconds[name]:.1f} tok/s"
                    for name in answerers}, flush=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -120,13 +115,14 @@ def main() -> None:
             server.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    tps = {name: sum(a.tokens for a in answers[name]) / seconds[name] for name in answerers}
-    same = {name: sum(a.text == b.text for a, b in zip(answers[name], answers["transformers"])) / len(chats)
-            for name in ("vllm", "endpoint")}
+    tps = {name: counts[name]["answer_tokens"] / seconds[name] for name in answerers}
+    base = answers["transformers"]
+    same = {name: sum(answers[name].get(k) == text for k, text in base.items()) / len(base) for name in ("vllm", "endpoint")}
     print_result({**{f"tps_{k}": f"{v:.1f}" for k, v in tps.items()},
                   "ratio_vllm": f"{tps['vllm'] / tps['transformers']:.2f}",
                   "ratio_endpoint": f"{tps['endpoint'] / tps['transformers']:.2f}",
-                  **{f"identical_{k}": f"{v:.2f}" for k, v in same.items()}, "prompts": len(chats),
+                  **{f"identical_{k}": f"{v:.2f}" for k, v in same.items()}, "prompts": len(convs),
+                  "answered": len(base), "answer_tokens": counts["transformers"]["answer_tokens"],
                   "max_new_tokens": args.max_new_tokens, "dtype": dtype})
 
 
