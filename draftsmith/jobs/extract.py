@@ -211,11 +211,12 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         engine = VllmFeatures(resolve_source(cfg.target), target, layer_ids, dtype, cfg.max_length,
                               cfg.trust_remote_code)
     num_parts = math.ceil(len(convs) / cfg.shard_size)
-    done = [holds_part(out / shard_name(p), min(cfg.shard_size, len(convs) - p * cfg.shard_size)) for p in range(num_parts)]
+    sizes = [min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in range(num_parts)]
+    done = [holds_part(out / shard_name(p), size) for p, size in enumerate(sizes)]
     existing = sum(done)
     todo = [p for p in range(rank, num_parts, world) if not done[p]]
     remove_stale(out, "shard", owns=lambda part: part % world == rank)  # each part is one rank's
-    mine = sum(min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in todo)
+    mine = sum(sizes[p] for p in todo)
 
     started, tokens = time.perf_counter(), 0
     progress = Progress(
