@@ -42,6 +42,17 @@ def require_vllm() -> None:
                               "`pip install vllm` a GPU build")
 
 
+def bound_cpu_kv_cache() -> None:
+    """On a CPU vLLM reserves nearly all of the machine's memory for its KV cache unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, and whatever else runs beside it is then killed
+    for memory. Where the user has not set it: a quarter of the memory, 1 to 4 GiB, which holds dozens
+    of full-length sequences of a small target. vLLM's GPU platform does not read it."""
+    import os
+
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, min(4, int(total_gib // 4))))
+
+
 def with_reasoning(content: str, reasoning: str | None, mode: str) -> str:
     """The answer text to keep: `keep` puts a reasoning trace the server returned apart back in front of
     the answer, as the model wrote it (<think>…</think>); `drop` keeps the answer alone, removing a
@@ -98,6 +109,7 @@ class VllmAnswerer:
 
         self.tok, self.cfg, self.batch_size = tokenizer, cfg, None
         self.eos = list(eos_ids(tokenizer, AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)))
+        bound_cpu_kv_cache()
         self.llm = LLM(model=source, dtype=dtype, seed=cfg.seed, max_model_len=cfg.max_length,
                        trust_remote_code=cfg.trust_remote_code)
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p or 1.0, top_k=cfg.top_k or 0,

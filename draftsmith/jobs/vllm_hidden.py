@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from draftsmith import DraftsmithError
+from draftsmith.jobs.answerers import bound_cpu_kv_cache
 
 
 class _Written:
@@ -72,6 +73,7 @@ class VllmFeatures:
         on_cpu = not torch.cuda.is_available()
         connector = ({"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": __name__} if on_cpu
                      else {"kv_connector": "ExampleHiddenStatesConnector"})
+        bound_cpu_kv_cache()
         self.llm = LLM(model=source, dtype=dtype, max_model_len=max_length + 1, seed=0, enable_prefix_caching=False,
                        trust_remote_code=trust_remote_code,
                        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,

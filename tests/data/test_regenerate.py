@@ -157,3 +157,20 @@ def test_the_vllm_engine_without_vllm_says_where_to_get_it(lively_target, chats_
         cfg(lively_target, chats_file, tmp_path / "v.jsonl", engine="vllm", endpoint="http://127.0.0.1:1")
     with pytest.raises(DraftsmithError, match="--reasoning must be one of keep, drop"):
         cfg(lively_target, chats_file, tmp_path / "v.jsonl", reasoning="hide")
+
+
+def test_vllm_on_a_cpu_gets_a_bounded_kv_cache_unless_one_was_set(monkeypatch):
+    import os
+
+    from draftsmith.jobs.answerers import bound_cpu_kv_cache
+
+    sysconf = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", sysconf.__getitem__)
+    for gib, space in ((24, "4"), (8, "2"), (2, "1")):  # a quarter of the memory, 1 to 4 GiB
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        sysconf["SC_PHYS_PAGES"] = gib * 2**30 // 4096
+        bound_cpu_kv_cache()
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == space
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")  # the user's own
+    bound_cpu_kv_cache()
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7"
