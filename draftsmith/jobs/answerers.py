@@ -43,9 +43,10 @@ def require_vllm() -> None:
 
 
 def bound_cpu_kv_cache() -> None:
-    """On a CPU vLLM reserves nearly all of the machine's memory for its KV cache unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, and whatever else runs beside it is then killed
-    for memory. Where the user has not set it: a quarter of the memory, 1 to 4 GiB, which holds dozens
-    of full-length sequences of a small target. vLLM's GPU platform does not read it."""
+    """On a CPU vLLM reserves nearly all of the machine's memory for its KV cache unless
+    VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, and whatever runs beside it then runs out of memory.
+    Where the user has not set it: a quarter of the memory, 1 to 4 GiB, which holds dozens of
+    full-length sequences of a small target. vLLM's GPU platform does not read it."""
     import os
 
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
