@@ -108,16 +108,17 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     out = Path(data["features_dir"])
     chats = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
     _check_feature_source(out, chats, model, recipe)
-    needed, held = _layers_needed(model, data), None
+    needed, held, lacking = _layers_needed(model, data), None, False
     if (out / MANIFEST_FILE).is_file():
         manifest = read_manifest(out)
         held = manifest["layer_ids"]
-        if set(needed) <= set(held) and manifest["data"]["limit"] == chats["limit"]:
+        lacking = not set(needed) <= set(held)
+        if not lacking and manifest["data"]["limit"] == chats["limit"]:
             return
     layer_ids = sorted(set(needed) | set(held or []))
     console.rule(f"[bold]{title}")
     dest = out
-    if held is not None and not set(needed) <= set(held):
+    if lacking:
         dest = out.with_name(out.name + ".relayered")
         started = dest / RUN_FILE
         if started.is_file() and json.loads(started.read_text()).get("layer_ids") != layer_ids:

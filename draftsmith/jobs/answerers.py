@@ -11,6 +11,7 @@ chat to the very ids the target's template gives (`/tokenize`, else the prompt's
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import urllib.error
@@ -47,8 +48,6 @@ def bound_cpu_kv_cache() -> None:
     VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, and whatever runs beside it then runs out of memory.
     Where the user has not set it: a quarter of the memory, 1 to 4 GiB, which holds dozens of
     full-length sequences of a small target. vLLM's GPU platform does not read it."""
-    import os
-
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, min(4, int(total_gib // 4))))

@@ -4,7 +4,7 @@ The conversations are cut into fixed parts of `shard_size`; part p becomes shard
 process r of N extracts the parts p ≡ r (mod N). The shards are therefore the same
 whatever N is and however often the run was interrupted: a rerun skips finished shards, and a
 rerun with a larger --limit extends the directory (the first N conversations of a source are a
-prefix of its first M > N: only the parts the directory lacks are extracted).
+prefix of its first M > N: only the parts the directory lacks are extracted), a smaller one cuts it.
 Notation: B batch, T sequence, H hidden.
 """
 
