@@ -27,7 +27,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import DFLASH
 from draftsmith.train.drafter import DrafterModule
-from draftsmith.train.losses import acceptance_per_position, soft_cross_entropy_per_position, weighted_mean
+from draftsmith.train.losses import acceptance_per_position, sharpen, soft_cross_entropy_per_position, weighted_mean
 from draftsmith.train.metrics import DraftAcceptance
 
 
@@ -67,8 +67,8 @@ class BlockDrafterModule(DrafterModule):
         confidence_head: DSpark's per-slot acceptance head (needs markov_rank > 0).
         confidence_weight: weight of the confidence head's cross-entropy.
         **kwargs: DrafterModule's settings (target, kind, aux_layer_ids, draft_vocab_size, mask_token_id,
-            ce_weight, acceptance_weight, acceptance_loss, lr, ...); the EAGLE settings (alignment_steps, feature
-            regression, Top-K) do not apply.
+            ce_weight, target_temperature, acceptance_weight, acceptance_loss, lr, ...); the EAGLE settings
+            (alignment_steps, feature regression, Top-K) do not apply.
     """
 
     def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0,
@@ -121,7 +121,8 @@ class BlockDrafterModule(DrafterModule):
         p = table[rows]
         parts, total = {}, 0.0
         if h.ce_weight:
-            parts["distill"] = weighted_mean(soft_cross_entropy_per_position(logits, p), weight)
+            parts["distill"] = weighted_mean(soft_cross_entropy_per_position(logits, sharpen(p, h.target_temperature)),
+                                             weight)
             total = h.ce_weight * parts["distill"]
         alpha = None  # (M,) acceptance at T = 1, for the confidence head and the metrics
         if drafter.confidence_head is not None or with_metrics:

@@ -27,7 +27,7 @@ from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
-                                     loss_tokens, step_weights, target_mix, uniform_noise)
+                                     loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import adamw_warmup_cosine, clip_gradients
 
@@ -85,6 +85,9 @@ class DrafterModule(pl.LightningModule):
         ce_weight: weight of the soft cross-entropy against the target distribution.
         topk_weight: weight of HASS's Top-K distillation loss.
         topk: K of the Top-K loss.
+        target_temperature: the soft cross-entropy's and Top-K loss's target is the target's law sharpened to
+            this temperature (`losses.sharpen`; < 1 for a drafter served greedily); 1 = the law itself. The
+            acceptance loss and the validation metrics always read the law itself.
         acceptance_weight: weight of an acceptance-direct loss (`train/losses.acceptance_loss`: the
             acceptance rate Σ min(p, q) itself), beside or instead of the soft cross-entropy.
         acceptance_loss: its form: tv (1 − α), log (−log α) or hybrid (KL while p and q barely overlap,
@@ -116,8 +119,9 @@ class DrafterModule(pl.LightningModule):
     def __init__(self, target: str, kind: str = EAGLE.name, aux_layer_ids: list[int] | None = None,
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
-                 topk_weight: float = 0.0, topk: int = 10, acceptance_weight: float = 0.0,
-                 acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0, fc_norm: bool = False,
+                 topk_weight: float = 0.0, topk: int = 10, target_temperature: float = 1.0,
+                 acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
+                 fc_norm: bool = False,
                  norm_before_fc: bool = False, norm_output: bool = False, mask_token_id: int | None = None,
                  feature_noise: float = 0.0, init_layer: int | None = None, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
@@ -130,6 +134,8 @@ class DrafterModule(pl.LightningModule):
         entry = drafter_kind(kind)
         if not entry.reads_features:
             raise DraftsmithError(f"DrafterModule trains feature drafters; {entry.title} trains with {entry.trainer}")
+        if target_temperature <= 0:
+            raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
         if acceptance_loss not in ACCEPTANCE_LOSSES:
             raise DraftsmithError(f"acceptance_loss must be one of {', '.join(ACCEPTANCE_LOSSES)}, got {acceptance_loss!r}")
         if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
@@ -267,7 +273,8 @@ class DrafterModule(pl.LightningModule):
         row, table, top1 = self._target_table(final, carries, with_metrics)  # table: (M, V or Vd)
         h = self.hparams
         weight = self.drafter.lm_head.weight  # (V or Vd, H)
-        mass, mix = target_mix(table, weight, h.ce_weight, h.topk_weight, min(h.topk, table.shape[-1]))
+        mass, mix = target_mix(sharpen(table, h.target_temperature), weight, h.ce_weight, h.topk_weight,
+                               min(h.topk, table.shape[-1]))
         feature = self.drafter.project(final[:, :-1], aux[:, :-1] if aux is not None else None)
         regresses = self.kind.regresses_features
         if self.training and regresses:

@@ -53,6 +53,17 @@ def topk_distillation(logits: torch.Tensor, p: torch.Tensor, k: int, mask: torch
     return _masked_mean(per_position, mask)
 
 
+def sharpen(p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p^(1/T) renormalised over the last dim: the target law at temperature T relative to p's own
+    (softmax(z)'s is softmax(z/T)). T < 1 moves the distillation target's mass onto its top tokens, the ones
+    greedy verification accepts; T = 1 returns p itself."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature == 1.0:
+        return p
+    return torch.softmax(p.float().log() / temperature, dim=-1).to(p.dtype)
+
+
 def target_mix(p: torch.Tensor, weight: torch.Tensor, ce_weight: float, topk_weight: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target side of `head_distillation` for ce_weight·soft CE + topk_weight·Top-K.
 

@@ -136,3 +136,35 @@ def test_init_layer_refuses_a_layer_the_target_lacks_and_a_kind_without_it(tiny_
         DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], init_layer=9).configure_model()
     with pytest.raises(DraftsmithError, match="option of the eagle3 kinds"):
         DrafterModule(str(tiny_target_dir), kind="eagle", init_layer=-1).configure_model()
+
+
+def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself(tiny_target_dir):
+    """The soft cross-entropy of a module with target_temperature 0.5 is the one against the target's law
+    squared and renormalised; its validation metric (T = 1 overlap) is the same as at temperature 1."""
+    from draftsmith.train.drafter import DrafterModule
+    from draftsmith.train.losses import sharpen, soft_cross_entropy
+
+    losses, metrics = {}, {}
+    for temperature in (1.0, 0.5):
+        torch.manual_seed(0)
+        module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                               target_temperature=temperature)
+        module.configure_model()
+        h, v = module.drafter.config.hidden_size, module.drafter.vocab_size
+        g = torch.Generator().manual_seed(1)
+        t = 7
+        batch = {"input_ids": torch.randint(0, v, (1, t), generator=g), "attention_mask": torch.ones(1, t),
+                 "loss_mask": torch.ones(1, t), "final": torch.randn(1, t, h, generator=g),
+                 "aux": torch.randn(1, t, 3 * h, generator=g)}
+        with torch.no_grad():
+            losses[temperature] = module.alignment_forward(batch, with_metrics=True)["distill_0"]
+            metrics[temperature] = module.val_metric.compute()["tau_t1"]
+            feature = module.drafter.project(batch["final"][:, :-1], batch["aux"][:, :-1])
+            anchors = torch.ones(1, t - 1, dtype=torch.bool)
+            hidden = alignment_hiddens(module.drafter, batch["input_ids"], feature, anchors, 1)[0]
+            logits = module.drafter.logits(hidden)[0]  # anchor i predicts the target's law at position i + 1
+            p = torch.softmax(batch["final"][0, 1:] @ module.target_head.weight.T, -1)
+        expected = soft_cross_entropy(logits, sharpen(p, temperature), torch.ones(len(p), dtype=torch.bool))
+        torch.testing.assert_close(losses[temperature], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.isclose(losses[0.5], losses[1.0])
+    torch.testing.assert_close(metrics[0.5], metrics[1.0])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from draftsmith.train.losses import (acceptance_loss, feature_regression, forward_kl, head_distillation, head_forward_kl, head_logsumexp,
-                                     soft_cross_entropy, step_weights, target_mix, topk_distillation, uniform_noise)
+                                     sharpen, soft_cross_entropy, step_weights, target_mix, topk_distillation,
+                                     uniform_noise)
 
 # one position, vocabulary of 3: q = softmax(log([0.5, 0.25, 0.25])) = [0.5, 0.25, 0.25]
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
@@ -15,6 +16,15 @@ ONE = torch.tensor([True])
 def test_soft_cross_entropy_by_hand():
     expected = -(0.7 * math.log(0.5) + 0.2 * math.log(0.25) + 0.1 * math.log(0.25))
     assert math.isclose(soft_cross_entropy(LOGITS, P, ONE).item(), expected, rel_tol=1e-6)
+
+
+def test_sharpen_by_hand():
+    # T = 0.5: p² renormalised = [0.49, 0.04, 0.01] / 0.54
+    torch.testing.assert_close(sharpen(P, 0.5), torch.tensor([[0.49, 0.04, 0.01]]) / 0.54)
+    torch.testing.assert_close(sharpen(torch.softmax(LOGITS * 3, -1), 0.5), torch.softmax(LOGITS * 6, -1))
+    assert sharpen(P, 1.0) is P
+    with pytest.raises(ValueError, match="> 0"):
+        sharpen(P, 0.0)
 
 
 def test_topk_distillation_by_hand():

@@ -102,3 +102,25 @@ def test_block_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, l
     assert curve[-1] < curve[0] and after >= 0.8 and after >= before + 0.5, (curve[::50], before, after)
     if losses.get("acceptance_weight"):
         assert curve[-1] < curve[0] / 10, curve[::50]
+
+
+def test_a_block_drafter_distils_the_sharpened_law(tiny_features, batch_and_data, monkeypatch):
+    """target_temperature reaches a block drafter's soft cross-entropy (and only it: the metrics read p)."""
+    from draftsmith.train import block
+    from draftsmith.train.losses import sharpen
+
+    batch, dm = batch_and_data
+    seen, out = [], {}
+    monkeypatch.setattr(block, "sharpen", lambda p, t: seen.append(t) or sharpen(p, t))
+    for temperature in (1.0, 0.5):
+        torch.manual_seed(0)
+        module = block.BlockDrafterModule(target=str(tiny_features / "target"), kind="dflash", aux_layer_ids=[0, 1, 2],
+                                          draft_vocab_size=40, block_size=4, anchors=16, count_tokens=dm.token_counts,
+                                          ce_weight=1.0, target_temperature=temperature)
+        module.configure_model()
+        module.eval()
+        with torch.no_grad():
+            out[temperature] = module.alignment_forward(batch, with_metrics=True)["distill"]
+        out[f"tau_t1_{temperature}"] = module.val_metric.compute()["tau_t1"]
+    assert seen == [1.0, 0.5] and not torch.isclose(out[0.5], out[1.0])
+    torch.testing.assert_close(out["tau_t1_0.5"], out["tau_t1_1.0"])
