@@ -121,12 +121,11 @@ class DrafterModule(pl.LightningModule):
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10, target_temperature: float = 1.0,
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
-                 fc_norm: bool = False,
-                 norm_before_fc: bool = False, norm_output: bool = False, mask_token_id: int | None = None,
-                 feature_noise: float = 0.0, init_layer: int | None = None, lr: float = 3e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
-                 online: bool = False,
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                 mask_token_id: int | None = None, feature_noise: float = 0.0, init_layer: int | None = None,
+                 lr: float = 3e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                 warmup_steps: int = 50, min_lr_ratio: float = 0.1, metric_top_k: int = 5,
+                 target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         if alignment_steps < 1:
