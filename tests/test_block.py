@@ -85,3 +85,37 @@ def test_the_registry_names_the_block_drafters_options():
 
     assert DFLASH.options == DSPARK.options == block.OPTIONS
     assert DFLASH.model_class.sample_from_anchor is False and DSPARK.model_class.sample_from_anchor is True
+
+
+@pytest.mark.parametrize("kind,first", [("dflash", 1), ("dspark", 0)])
+def test_each_block_slot_learns_the_law_of_the_token_it_drafts(tiny_features, monkeypatch, kind, first):
+    """Decoding drafts a block after the context of positions < a (the target has no state yet for the
+    anchor x_a, the token it last chose) and reads slot i as x_{a+i} (DFlash, slots 1..B−1) or x_{a+i+1}
+    (DSpark, slots 0..B−1). Training must distil each slot on that token's law: the target's head on its
+    hidden state one position before it, not on the token's own (which is the law of the token after)."""
+    from draftsmith.data.modules import FeatureDataModule
+    from draftsmith.train import block
+
+    dm = FeatureDataModule(str(tiny_features / "features"), layer_ids=[0, 1, 2], max_tokens=300, val_fraction=0.2)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    carries = (batch["loss_mask"].bool() & batch["attention_mask"].bool())[0]
+    size = 4
+    a = next(i for i in range(1, len(carries) - size) if carries[i:i + size + 1].all())  # a run of assistant tokens
+    anchors = torch.zeros(len(batch["input_ids"]), 1, dtype=torch.long)
+    anchors[0] = a
+    real = torch.zeros_like(anchors, dtype=torch.bool)
+    real[0] = True
+    monkeypatch.setattr(block, "draw_anchors", lambda eligible, count, generator=None: (anchors, real))
+    laws = []
+    monkeypatch.setattr(block, "soft_cross_entropy_per_position", lambda logits, p: laws.append(p) or p.sum(-1))
+    extra = {"markov_rank": 8} if kind == "dspark" else {}
+    module = block.BlockDrafterModule(target=str(tiny_features / "target"), kind=kind, aux_layer_ids=[0, 1, 2],
+                                      draft_vocab_size=40, block_size=size, anchors=1, count_tokens=dm.token_counts,
+                                      **extra)
+    module.configure_model()
+    module.alignment_forward(batch, with_metrics=False)
+    head = module.target_head.weight[module.drafter.draft_to_target]
+    drafted = a + torch.arange(first, size) + 1 - first  # the position of each drafted token
+    expected = torch.softmax(batch["final"][0, drafted - 1].float() @ head.float().T, -1)
+    torch.testing.assert_close(laws[0], expected)

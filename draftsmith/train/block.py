@@ -94,8 +94,9 @@ class BlockDrafterModule(DrafterModule):
         final, aux = final.to(dtype), aux.to(dtype)
         n, length = ids.shape
         carries = batch["loss_mask"].bool() & valid  # (N, L): x_i is a real assistant token
-        row, table, top1 = self._target_table(final, carries, with_metrics)
-        eligible = valid & F.pad(carries[:, 1:], (0, 1))  # the anchor's next token carries loss
+        predicts = F.pad(carries[:, 1:], (0, 1))  # (N, L): the target's law at i, over x_{i+1}, carries loss
+        row, table, top1 = self._target_table(final, predicts, with_metrics)
+        eligible = valid & predicts  # the anchor's next token carries loss
         generator = None if self.training else torch.Generator().manual_seed(0)
         anchors, real = draw_anchors(eligible, h.anchors, generator)  # (N, A)
         b, first = drafter.block_size, drafter.first_slot
@@ -104,13 +105,15 @@ class BlockDrafterModule(DrafterModule):
         tokens = drafter.block_tokens(ids.gather(1, anchors))  # (N, A, B)
         hidden = drafter(tokens.flatten(1), positions, context, visible).view(*tokens.shape, -1)  # (N, A, B, H)
         slots = torch.arange(b, device=ids.device)
-        at = anchors[..., None] + slots + (1 - first)  # (N, A, B): the position each slot predicts
+        at = anchors[..., None] + slots + (1 - first)  # (N, A, B): the position of the token each slot drafts
         inside = at < length
         at = at.clamp_max(length - 1)
-        sel = real[..., None] & inside & (slots >= first) & carries.gather(1, at.flatten(1)).view_as(at)
+        # x_at's law is the target's at at − 1 (the context ends before the anchor, as when decoding)
+        law = row.gather(1, (at - 1).clamp_min(0).flatten(1)).view_as(at)  # (N, A, B) table rows, -1: no loss
+        sel = real[..., None] & inside & (slots >= first) & (law >= 0)
         if not sel.any():
             return {"loss": sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)}
-        rows = row.gather(1, at.flatten(1)).view_as(at)[sel]  # (M,)
+        rows = law[sel]  # (M,)
         prev = ids.gather(1, (at - 1).clamp_min(0).flatten(1)).view_as(at)[sel]  # the token before each predicted one
         picked, slot = hidden[sel], slots.expand_as(at)[sel]
         weight = torch.exp(-(slot - first).float() / h.decay_gamma)
