@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import build_from_target, drafter_config, frozen_embedding, frozen_linear, init_linear_, layer_classes
+from draftsmith.models.common import (build_from_target, drafter_config, frozen_embedding, frozen_linear, init_linear_,
+                                      layer_classes, start_from_target_layer_)
 
 OPTIONS = ("block_size", "draft_layers", "mask_token_id", "markov_rank", "confidence_head")
 
@@ -199,6 +200,14 @@ class BlockDrafter(nn.Module):
         self.markov_head = MarkovHead(v, self.lm_head.out_features, markov_rank) if markov_rank else None
         self.confidence_head = ConfidenceHead(h + markov_rank) if confidence_head else None
         self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
+
+    def start_from_target_layer(self, source: nn.Module, norm_scale: Any) -> None:
+        """Start every draft layer from a target decoder layer (`DrafterModule`'s `init_layer`;
+        `start_from_target_layer_`): the context keys and values are then that layer's own projections of
+        the last fused layer, which fc passes through, and the block's queries read them as the target
+        layer's would."""
+        for layer in self.layers:
+            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

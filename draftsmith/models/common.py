@@ -80,6 +80,41 @@ def build_from_target(cls: type, title: str, known: tuple[str, ...], target_conf
     return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size, **options)
 
 
+def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: Any, hidden_norm: nn.Module,
+                             fc: nn.Linear, inputs: slice = slice(None)) -> None:
+    """Copy a target decoder layer (`source`) into a draft layer (`DrafterModule`'s `init_layer`): the
+    attention projections (q/k/v on the input columns `inputs` of the draft layer's, e.g. the feature half of
+    EAGLE-3's 2H input; q/k norms where both have them), the MLP where it is a dense one of the same
+    shapes, and the norms' scales (`norm_scale`: any family's convention, Gemma's 1 + w read right);
+    `hidden_norm`, which norms the fused features the layer reads, takes the source's input norm, and fc
+    passes the last fused layer through (an identity beside a tenth of its random start)."""
+    h = hidden_norm.weight.shape[0]
+    attn, mine = source.self_attn, layer.self_attn
+    pairs = [(getattr(mine, n).weight[:, inputs], getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")]
+    pairs.append((mine.o_proj.weight, attn.o_proj.weight))
+    if all(hasattr(source.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        pairs += [(getattr(layer.mlp, n).weight, getattr(source.mlp, n).weight)
+                  for n in ("gate_proj", "up_proj", "down_proj")]
+    bad = [tuple(src.shape) for dst, src in pairs if dst.shape != src.shape]
+    if bad or fc.in_features % h or fc.out_features != h:
+        raise DraftsmithError(f"init_layer: the target layer's weights {bad or 'hidden size'} do not fit the draft "
+                              f"layer (hidden {h}): start from a random layer (init_layer: null)")
+    # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's
+    # output)
+    mlp_norm = getattr(source, "pre_feedforward_layernorm", None) or source.post_attention_layernorm
+    norms = [(layer.input_layernorm, source.input_layernorm), (hidden_norm, source.input_layernorm),
+             (layer.post_attention_layernorm, mlp_norm)]
+    norms += [(getattr(mine, n), getattr(attn, n)) for n in ("q_norm", "k_norm")
+              if hasattr(mine, n) and hasattr(attn, n)]
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+        for dst, src in norms:
+            dst.weight.copy_(norm_scale(src))
+        fc.weight.mul_(0.1)
+        fc.weight[:, -h:] += torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
+
+
 def logit_softcap(config: Any) -> float | None:
     """The cap c of a family whose logits are c·tanh(z / c) (Gemma 2's `final_logit_softcapping`;
     set in some Gemma 3 configs too), else None."""

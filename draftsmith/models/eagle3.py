@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import build_from_target, cache_kwargs, drafter_config, layer_classes, frozen_embedding, init_linear_
+from draftsmith.models.common import (build_from_target, cache_kwargs, drafter_config, frozen_embedding, init_linear_,
+                                      layer_classes, start_from_target_layer_)
 
 OPTIONS = ("fc_norm", "norm_before_fc", "norm_output")  # EAGLE-3.1's, all off by default
 
@@ -92,33 +93,14 @@ class Eagle3Drafter(nn.Module):
 
     def start_from_target_layer(self, source: nn.Module, norm_scale: Callable[[nn.Module], torch.Tensor]) -> None:
         """Start the draft layer from a target decoder layer (`DrafterModule`'s `init_layer`) in place of a random
-        one: its attention projections read the feature half of the 2H input (the token half keeps its small
-        random start), its MLP (where the layer has a dense one of the drafter's width) and its norms'
-        scales (`norm_scale`, any family's convention) as they are, and fc passes the last fused layer
-        through (an identity beside a tenth of its random start): the first drafting step runs that target
-        layer on the target's late features."""
-        h = self.config.hidden_size
-        attn, mine = source.self_attn, self.layer.self_attn
-        pairs = [(mine.q_proj.weight[:, h:], attn.q_proj.weight), (mine.k_proj.weight[:, h:], attn.k_proj.weight),
-                 (mine.v_proj.weight[:, h:], attn.v_proj.weight), (mine.o_proj.weight, attn.o_proj.weight)]
-        if all(hasattr(source.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            pairs += [(getattr(self.layer.mlp, n).weight, getattr(source.mlp, n).weight)
-                      for n in ("gate_proj", "up_proj", "down_proj")]
-        bad = [tuple(src.shape) for dst, src in pairs if dst.shape != src.shape]
-        if bad or self.target_hidden_size != h:
-            raise DraftsmithError(f"init_layer: the target layer's weights {bad or 'hidden size'} do not fit the draft "
-                                  f"layer (hidden {h}): start from a random layer (init_layer: null)")
-        # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's output)
-        mlp_norm = getattr(source, "pre_feedforward_layernorm", None) or source.post_attention_layernorm
-        with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
-            for dst, src in ((self.layer.input_layernorm, source.input_layernorm),
-                             (self.layer.hidden_norm, source.input_layernorm),
-                             (self.layer.post_attention_layernorm, mlp_norm)):
-                dst.weight.copy_(norm_scale(src))
-            self.fc.weight.mul_(0.1)
-            self.fc.weight[:, -h:] += torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        one (`start_from_target_layer_`): its attention projections read the feature half of the 2H input,
+        the token half keeps its small random start, and the first drafting step runs that target layer on
+        the target's late features."""
+        if self.target_hidden_size != self.config.hidden_size:
+            raise DraftsmithError(f"init_layer: the target's hidden size {self.target_hidden_size} is not the draft "
+                                  f"layer's {self.config.hidden_size}: start from a random layer (init_layer: null)")
+        start_from_target_layer_(self.layer, source, norm_scale, self.layer.hidden_norm, self.fc,
+                                 slice(self.config.hidden_size, None))
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

@@ -99,8 +99,9 @@ class DrafterModule(pl.LightningModule):
         mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
             the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
-        init_layer: start an eagle3-family drafter's layer from this target decoder layer (0-based, -1 the
-            last; `Eagle3Drafter.start_from_target_layer`) instead of a random one; None: random.
+        init_layer: start the draft layer(s) of an eagle3-family or block drafter from this target decoder
+            layer (0-based, -1 the last; `models.common.start_from_target_layer_`) instead of random ones;
+            None: random.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
@@ -181,7 +182,7 @@ class DrafterModule(pl.LightningModule):
         start = getattr(self.drafter, "start_from_target_layer", None)
         if start is None:
             raise DraftsmithError(f"init_layer: {kind.title} drafters start from a random layer; init_layer is an "
-                                  "option of the eagle3 kinds (eagle3, peagle)")
+                                  "option of the eagle3 kinds (eagle3, peagle) and the block drafters (dflash, dspark)")
         start(target.decoder_layer(self.hparams.init_layer, "model.init_args.init_layer"), target.norm_scale)
 
     def drafter_options(self, target: Any) -> dict[str, Any]:

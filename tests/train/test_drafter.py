@@ -128,6 +128,40 @@ def test_init_layer_starts_the_draft_layer_as_that_target_layer(tiny_target_dir)
     assert not torch.equal(random.drafter.layer.mlp.gate_proj.weight, source.mlp.gate_proj.weight)
 
 
+def test_init_layer_starts_a_block_drafters_layer_as_that_target_layer(tiny_target_dir):
+    """A DFlash layer started from target layer -1 holds its projections, MLP and norm scales, and its
+    context values are that layer's values of the last fused layer, which fc passes through."""
+    from draftsmith.models.target import load_target
+    from draftsmith.train.block import BlockDrafterModule
+
+    torch.manual_seed(0)
+    module = BlockDrafterModule(target=str(tiny_target_dir), kind="dflash", aux_layer_ids=[0, 1, 2], block_size=4,
+                                init_layer=-1)
+    module.configure_model()
+    drafter, target = module.drafter, load_target(str(tiny_target_dir))
+    source, h = target.decoder.layers[-1], target.hidden_size
+    mine = drafter.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert torch.equal(getattr(mine.self_attn, name).weight, getattr(source.self_attn, name).weight)
+    assert torch.equal(mine.mlp.down_proj.weight, source.mlp.down_proj.weight)
+    assert torch.equal(drafter.hidden_norm.weight, target.norm_scale(source.input_layernorm))
+    fc = drafter.fc.weight
+    assert torch.allclose(torch.diagonal(fc[:, -h:]), torch.ones(h), atol=0.1)  # the identity, a tenth of noise
+    assert fc[:, :-h].abs().max() < 0.02
+    with torch.no_grad():
+        fc.zero_()
+        fc[:, -h:] = torch.eye(h)  # the noise silenced: the context is the last fused layer itself
+        g = torch.randn(1, 5, h)
+        _, values = drafter.context(drafter.project(None, torch.cat([torch.randn(1, 5, 2 * h), g], -1)),
+                                    torch.arange(5)[None])[0]
+        theirs = source.self_attn.v_proj(source.input_layernorm(g))
+    torch.testing.assert_close(values.transpose(1, 2).flatten(2), theirs, rtol=1e-5, atol=1e-5)
+
+    random = BlockDrafterModule(target=str(tiny_target_dir), kind="dflash", aux_layer_ids=[0, 1, 2], block_size=4)
+    random.configure_model()
+    assert not torch.equal(random.drafter.layers[0].mlp.down_proj.weight, source.mlp.down_proj.weight)
+
+
 def test_init_layer_refuses_a_layer_the_target_lacks_and_a_kind_without_it(tiny_target_dir):
     from draftsmith import DraftsmithError
     from draftsmith.train.drafter import DrafterModule
