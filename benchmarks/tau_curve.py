@@ -54,10 +54,15 @@ def train(name: str, spec: str, val_every: int, out: Path) -> Path:
 
 
 def gain_last_quarter(points: list[tuple[float, int, float]]) -> float:
-    """τ̂ at the end minus τ̂ at the last validation within the first three quarters of the minutes."""
-    end = points[-1][0]
-    before = [p for p in points if p[0] <= 0.75 * end] or points[:1]
-    return points[-1][2] - before[-1][2]
+    """τ̂ at the end minus τ̂ at three quarters of the run's minutes, read off the straight line between the
+    validations either side of that minute (the first validation's τ̂ when it comes later)."""
+    at = 0.75 * points[-1][0]
+    before = [p for p in points if p[0] <= at]
+    if not before:
+        return points[-1][2] - points[0][2]
+    (m0, _, t0), (m1, _, t1) = before[-1], points[min(len(before), len(points) - 1)]
+    tau = t0 if m1 == m0 else t0 + (t1 - t0) * (at - m0) / (m1 - m0)
+    return points[-1][2] - tau
 
 
 def plot(curves: dict[str, list[tuple[float, int, float]]], path: Path) -> None:
