@@ -207,7 +207,7 @@ class BlockDrafter(nn.Module):
         the last fused layer, which fc passes through, and the block's queries read them as the target
         layer's would."""
         for layer in self.layers:
-            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc)
+            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc, self.target_hidden_size)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

@@ -81,7 +81,7 @@ def build_from_target(cls: type, title: str, known: tuple[str, ...], target_conf
 
 
 def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: Any, hidden_norm: nn.Module,
-                             fc: nn.Linear, inputs: slice = slice(None)) -> None:
+                             fc: nn.Linear, target_hidden_size: int, inputs: slice = slice(None)) -> None:
     """Copy a target decoder layer (`source`) into a draft layer (`DrafterModule`'s `init_layer`): the
     attention projections (q/k/v on the input columns `inputs` of the draft layer's, e.g. the feature half of
     EAGLE-3's 2H input; q/k norms where both have them), the MLP where it is a dense one of the same
@@ -96,7 +96,7 @@ def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: An
         pairs += [(getattr(layer.mlp, n).weight, getattr(source.mlp, n).weight)
                   for n in ("gate_proj", "up_proj", "down_proj")]
     bad = [tuple(src.shape) for dst, src in pairs if dst.shape != src.shape]
-    if bad or fc.in_features % h or fc.out_features != h:
+    if bad or target_hidden_size != h:
         raise DraftsmithError(f"init_layer: the target layer's weights {bad or 'hidden size'} do not fit the draft "
                               f"layer (hidden {h}): start from a random layer (init_layer: null)")
     # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's

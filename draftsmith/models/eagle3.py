@@ -96,11 +96,8 @@ class Eagle3Drafter(nn.Module):
         one (`start_from_target_layer_`): its attention projections read the feature half of the 2H input,
         the token half keeps its small random start, and the first drafting step runs that target layer on
         the target's late features."""
-        if self.target_hidden_size != self.config.hidden_size:
-            raise DraftsmithError(f"init_layer: the target's hidden size {self.target_hidden_size} is not the draft "
-                                  f"layer's {self.config.hidden_size}: start from a random layer (init_layer: null)")
         start_from_target_layer_(self.layer, source, norm_scale, self.layer.hidden_norm, self.fc,
-                                 slice(self.config.hidden_size, None))
+                                 self.target_hidden_size, slice(self.config.hidden_size, None))
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

@@ -109,12 +109,13 @@ class BlockDrafterModule(DrafterModule):
         inside = at < length
         at = at.clamp_max(length - 1)
         # x_at's law is the target's at at − 1 (the context ends before the anchor, as when decoding)
-        law = row.gather(1, (at - 1).clamp_min(0).flatten(1)).view_as(at)  # (N, A, B) table rows, -1: no loss
+        before = (at - 1).clamp_min(0).flatten(1)
+        law = row.gather(1, before).view_as(at)  # (N, A, B) table rows, -1: no loss
         sel = real[..., None] & inside & (slots >= first) & (law >= 0)
         if not sel.any():
             return {"loss": sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)}
         rows = law[sel]  # (M,)
-        prev = ids.gather(1, (at - 1).clamp_min(0).flatten(1)).view_as(at)[sel]  # the token before each predicted one
+        prev = ids.gather(1, before).view_as(at)[sel]  # the token before each drafted one
         picked, slot = hidden[sel], slots.expand_as(at)[sel]
         weight = torch.exp(-(slot - first).float() / h.decay_gamma)
         logits = drafter.logits(picked).float()
