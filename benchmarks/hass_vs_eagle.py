@@ -94,8 +94,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
     for n, suffix in ((chain, ""), (long_chain, "_long")):
         if not n:
             continue
-        model.hparams.alignment_steps = n  # the same chain for both drafters
-        model.val_metric = DraftAcceptance(n, model.hparams.metric_top_k)
+        model.val_metric = DraftAcceptance(n, model.hparams.metric_top_k)  # the same chain scored for both drafters
         metrics = cli.trainer.validate(model, cli.datamodule, verbose=False)[0]
         figures |= {f"tau{suffix}": metrics["val/tau"], f"tau_t1{suffix}": metrics["val/tau_t1"],
                     **{f"acc{suffix}_{j}": metrics[f"val/acc_{j}"] for j in range(n)}}

@@ -68,6 +68,8 @@ def test_block_drafters_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, t
     assert no_head.returncode != 0 and "confidence head" in no_head.stderr
     with pytest.raises(DraftsmithError, match="trains block drafters"):
         BlockDrafterModule(target=str(tiny_features / "target"), kind="eagle3")
+    with pytest.raises(DraftsmithError, match="val_steps are EAGLE settings"):
+        BlockDrafterModule(target=str(tiny_features / "target"), val_steps=3)
     w = torch.randn(50, 32)
     from transformers import LlamaConfig
 

@@ -68,7 +68,7 @@ class BlockDrafterModule(DrafterModule):
         confidence_weight: weight of the confidence head's cross-entropy.
         **kwargs: DrafterModule's settings (target, kind, aux_layer_ids, draft_vocab_size, mask_token_id,
             ce_weight, target_temperature, acceptance_weight, acceptance_loss, lr, ...); the EAGLE settings
-            (alignment_steps, feature regression, Top-K) do not apply.
+            (alignment_steps, val_steps, feature regression, Top-K) do not apply.
     """
 
     def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0,
@@ -79,9 +79,9 @@ class BlockDrafterModule(DrafterModule):
             raise DraftsmithError(f"BlockDrafterModule trains block drafters (dflash, dspark), not {self.kind.title}")
         if anchors < 1 or decay_gamma <= 0:
             raise DraftsmithError(f"anchors must be >= 1 and decay_gamma > 0, got {anchors} and {decay_gamma}")
-        if self.hparams.topk_weight or self.hparams.alignment_steps != 1:
-            raise DraftsmithError("topk_weight and alignment_steps are EAGLE settings; a block drafter trains "
-                                  "with ce_weight and acceptance_weight")
+        if self.hparams.topk_weight or self.hparams.alignment_steps != 1 or self.hparams.val_steps is not None:
+            raise DraftsmithError("topk_weight, alignment_steps and val_steps are EAGLE settings; a block drafter "
+                                  "trains with ce_weight and acceptance_weight")
         first = 0 if self.kind.model_class.sample_from_anchor else 1
         self.val_metric = DraftAcceptance(block_size - first, self.hparams.metric_top_k)
         self.val_auroc, self.val_ece = BinaryAUROC(), BinaryCalibrationError(n_bins=10)

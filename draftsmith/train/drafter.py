@@ -78,6 +78,8 @@ class DrafterModule(pl.LightningModule):
         aux_layer_ids: target layers fused by EAGLE-3 (default [2, N//2, N-3]).
         draft_vocab_size: EAGLE-3 draft vocabulary Vd (the most frequent assistant tokens); None = full.
         alignment_steps: n, the steps of context alignment / training-time test (1 = plain EAGLE).
+        val_steps: the drafting steps validation unrolls and scores (τ̂, acc_j; default: alignment_steps);
+            steps beyond alignment_steps are scored, not trained, so τ̂ stays comparable across n.
         step_weight_decay: w_j = decay^j for step j.
         detach_steps: step j reads the drafter's step j-1 features as constants (as the HASS reference
             code does): each step's loss trains the drafter at that step, not the features it fed.
@@ -118,7 +120,8 @@ class DrafterModule(pl.LightningModule):
     """
 
     def __init__(self, target: str, kind: str = EAGLE.name, aux_layer_ids: list[int] | None = None,
-                 draft_vocab_size: int | None = None, alignment_steps: int = 1, step_weight_decay: float = 1.0,
+                 draft_vocab_size: int | None = None, alignment_steps: int = 1, val_steps: int | None = None,
+                 step_weight_decay: float = 1.0,
                  detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10, target_temperature: float = 1.0,
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
@@ -131,6 +134,8 @@ class DrafterModule(pl.LightningModule):
         super().__init__()
         if alignment_steps < 1:
             raise DraftsmithError(f"alignment_steps must be >= 1, got {alignment_steps}")
+        if val_steps is not None and val_steps < 1:
+            raise DraftsmithError(f"val_steps must be >= 1, got {val_steps}")
         entry = drafter_kind(kind)
         if not entry.reads_features:
             raise DraftsmithError(f"DrafterModule trains feature drafters; {entry.title} trains with {entry.trainer}")
@@ -144,7 +149,7 @@ class DrafterModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings
         self.online, self.count_tokens = online, count_tokens
         self.drafter: torch.nn.Module | None = None
-        self.val_metric = DraftAcceptance(alignment_steps, metric_top_k)
+        self.val_metric = DraftAcceptance(val_steps or alignment_steps, metric_top_k)
         self._target = None  # the frozen target, kept out of the module tree (never in an optimizer)
 
     @property
@@ -280,28 +285,31 @@ class DrafterModule(pl.LightningModule):
         if self.training and regresses:
             feature = uniform_noise(feature, h.feature_noise)
         weights = step_weights(h.alignment_steps, h.step_weight_decay)
-        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, h.alignment_steps, h.detach_steps)
+        scored = self.val_metric.num_steps if with_metrics else 0  # validation scores these steps
+        steps = max(h.alignment_steps, scored)
+        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, steps, h.detach_steps)
         total, parts = 0.0, {}
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)
             if not sel.any():
                 continue
             rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)
-            every = sel.new_ones(len(rows))
             x = self.drafter.head_input(picked)
-            loss = 0.0
-            if torch.is_tensor(mix):  # a soft cross-entropy or Top-K term (ce_weight, topk_weight)
-                parts[f"distill_{j}"] = loss = head_distillation(x, weight, mass[rows], mix[rows], every)
-            if h.acceptance_weight:  # on the drafter's logits over its vocabulary, against the same table
-                logits = x.to(weight.dtype) @ weight.T
-                parts[f"acceptance_{j}"] = acceptance_loss(logits, table[rows], every, h.acceptance_loss,
-                                                           h.acceptance_eta)
-                loss = loss + h.acceptance_weight * parts[f"acceptance_{j}"]
-            if regresses and h.feature_weight:
-                parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
-                loss = loss + h.feature_weight * parts[f"feature_{j}"]
-            total = total + weights[j] * loss
-            if with_metrics:
+            if j < h.alignment_steps:  # a trained step
+                every = sel.new_ones(len(rows))
+                loss = 0.0
+                if torch.is_tensor(mix):  # a soft cross-entropy or Top-K term (ce_weight, topk_weight)
+                    parts[f"distill_{j}"] = loss = head_distillation(x, weight, mass[rows], mix[rows], every)
+                if h.acceptance_weight:  # on the drafter's logits over its vocabulary, against the same table
+                    logits = x.to(weight.dtype) @ weight.T
+                    parts[f"acceptance_{j}"] = acceptance_loss(logits, table[rows], every, h.acceptance_loss,
+                                                               h.acceptance_eta)
+                    loss = loss + h.acceptance_weight * parts[f"acceptance_{j}"]
+                if regresses and h.feature_weight:
+                    parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
+                    loss = loss + h.feature_weight * parts[f"feature_{j}"]
+                total = total + weights[j] * loss
+            if j < scored:
                 self.val_metric.update_from_head(j, x, weight, table, rows, top1[rows], self.drafter.draft_to_target)
         if not torch.is_tensor(total):  # no position carried loss in this batch
             total = sum(p.sum() * 0.0 for p in self.drafter.parameters() if p.requires_grad)

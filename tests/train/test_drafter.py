@@ -172,6 +172,15 @@ def test_init_layer_refuses_a_layer_the_target_lacks_and_a_kind_without_it(tiny_
         DrafterModule(str(tiny_target_dir), kind="eagle", init_layer=-1).configure_model()
 
 
+def feature_batch(module, t: int) -> dict:
+    """One sequence of t random tokens, every one carrying loss, with random final and 3-layer fused features."""
+    h, v = module.drafter.config.hidden_size, module.drafter.vocab_size
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, v, (1, t), generator=g), "attention_mask": torch.ones(1, t),
+            "loss_mask": torch.ones(1, t), "final": torch.randn(1, t, h, generator=g),
+            "aux": torch.randn(1, t, 3 * h, generator=g)}
+
+
 def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself(tiny_target_dir):
     """The soft cross-entropy of a module with target_temperature 0.5 is the one against the target's law
     squared and renormalised; its validation metric (T = 1 overlap) is the same as at temperature 1."""
@@ -184,12 +193,8 @@ def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself
         module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], ce_weight=1.0,
                                target_temperature=temperature)
         module.configure_model()
-        h, v = module.drafter.config.hidden_size, module.drafter.vocab_size
-        g = torch.Generator().manual_seed(1)
         t = 7
-        batch = {"input_ids": torch.randint(0, v, (1, t), generator=g), "attention_mask": torch.ones(1, t),
-                 "loss_mask": torch.ones(1, t), "final": torch.randn(1, t, h, generator=g),
-                 "aux": torch.randn(1, t, 3 * h, generator=g)}
+        batch = feature_batch(module, t)
         with torch.no_grad():
             losses[temperature] = module.alignment_forward(batch, with_metrics=True)["distill_0"]
             metrics[temperature] = module.val_metric.compute()["tau_t1"]
@@ -202,3 +207,31 @@ def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself
         torch.testing.assert_close(losses[temperature], expected, rtol=1e-4, atol=1e-4)
     assert not torch.isclose(losses[0.5], losses[1.0])
     torch.testing.assert_close(metrics[0.5], metrics[1.0])
+
+
+def test_val_steps_scores_steps_beyond_the_trained_ones_without_training_them(tiny_target_dir):
+    """A module trained over 2 steps and validated over 3 has the loss of the 2-step module and the metrics
+    of the 3-step one, step for step, from the same weights."""
+    from draftsmith.train.drafter import DrafterModule
+
+    out, metrics, state = {}, {}, None
+    for name, steps, scored in (("two", 2, None), ("three", 3, None), ("two_scored_three", 2, 3)):
+        torch.manual_seed(0)
+        module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                               alignment_steps=steps, val_steps=scored, step_weight_decay=0.5)
+        module.configure_model()
+        if state is None:
+            state = module.state_dict()
+        module.load_state_dict(state)
+        batch = feature_batch(module, 9)
+        with torch.no_grad():
+            out[name] = module.alignment_forward(batch, with_metrics=True)
+            metrics[name] = module.val_metric.compute()
+    assert set(out["two_scored_three"]) == set(out["two"]) == {"loss", "distill_0", "distill_1"}
+    torch.testing.assert_close(out["two_scored_three"]["loss"], out["two"]["loss"])
+    assert set(metrics["two_scored_three"]) == set(metrics["three"]) != set(metrics["two"])
+    for key, value in metrics["three"].items():
+        torch.testing.assert_close(metrics["two_scored_three"][key], value)
+    assert metrics["three"]["tau_t1"] > metrics["two"]["tau_t1"]  # the third step adds to the chain
+    with pytest.raises(Exception, match="val_steps"):
+        DrafterModule(str(tiny_target_dir), kind="eagle3", val_steps=0)
