@@ -26,7 +26,8 @@ autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's
 Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
 ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t1_eagle3=...
 ratio_dspark_confidence=...` (tau_*: greedy chains; ratio_dspark_confidence: the confidence policy ÷ the
-fixed block). Trained arms are kept under `--out`/<arm>: a rerun with the same settings reuses them.
+fixed block). Trained arms are kept under `--out`/<arm>: a rerun with the same settings and recipe
+files reuses them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import json
 import time
 from pathlib import Path
 
-from harness import machine, parser
+from harness import kept_arm, machine, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
@@ -77,9 +78,8 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     recipe, overrides, _, _ = ARMS[name]
     out.mkdir(parents=True, exist_ok=True)
     done, record = out / "trained.ckpt", out / "arm.json"
-    kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
-    key = {"recipe": recipe, "overrides": list(overrides), "minutes": minutes}
-    if kept.get("key") == key:
+    key, kept = kept_arm(out, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
+    if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
         cli = build(recipe, overrides, kept["steps"], out)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)

@@ -8,6 +8,8 @@ read. Run one as `python benchmarks/NAME.py` (this folder is then on the import 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import platform
 import statistics
 import time
@@ -70,6 +72,16 @@ def machine() -> str:
         pass
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{cpu}{gpu}, torch {torch.__version__}"
+
+
+def kept_arm(out: Path, recipe: Path, **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """An arm trained earlier under `out` (trained.ckpt beside arm.json) and what defines it: `settings`
+    and the recipe file's contents, so that an edited recipe trains again instead of reusing stale weights.
+    Returns (key, the arm's record if its key is this one, else None); write the key into the record."""
+    key = {**settings, "recipe_sha256": hashlib.sha256(Path(recipe).read_bytes()).hexdigest()}
+    record = out / "arm.json"
+    kept = json.loads(record.read_text()) if record.is_file() and (out / "trained.ckpt").is_file() else {}
+    return key, kept if kept.get("key") == key else None
 
 
 def newest_train_log(root: Path) -> Path:

@@ -40,7 +40,7 @@ import json
 import time
 from pathlib import Path
 
-from harness import parser
+from harness import kept_arm, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,8 +65,9 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
                     long_chain: int = 0) -> tuple[dict[str, float], object]:
     """Train a recipe for `steps`, then τ̂ for greedy chains of `chain` (and `long_chain`); (figures, module).
 
-    The trained arm is kept in `out` (trained.ckpt, arm.json): a rerun with the same recipe, overrides and
-    steps reloads it instead of training again, so a run cut off in its second arm loses only that arm.
+    The trained arm is kept in `out` (trained.ckpt, arm.json): a rerun with the same recipe (its file's
+    contents too), overrides and steps reloads it instead of training again, so a run cut off in its second
+    arm loses only that arm.
     """
     from draftsmith.train.cli import lightning_cli
     from draftsmith.train.metrics import DraftAcceptance
@@ -78,8 +79,8 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
                          "--trainer.val_check_interval", str(steps + 1),  # never: scored below
                          "--trainer.enable_progress_bar", "false", *overrides], run=False)
     done, record = out / "trained.ckpt", out / "arm.json"
-    kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
-    if kept.get("args") == args:  # restored at max_steps: fit returns without a step
+    key, kept = kept_arm(out, ROOT / recipe, args=args)
+    if kept is not None:  # restored at max_steps: fit returns without a step
         print(f"{out.name}: reusing the arm trained earlier ({done})", flush=True)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
         seconds = kept["seconds"]
@@ -88,7 +89,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
         cli.trainer.fit(cli.model, cli.datamodule)
         seconds = time.perf_counter() - start
         cli.trainer.save_checkpoint(done, weights_only=False)  # optimizer and loops too: a full restore
-        record.write_text(json.dumps({"args": args, "seconds": seconds}))
+        record.write_text(json.dumps({"key": key, "seconds": seconds}))
     model = cli.model
     figures: dict[str, float] = {"seconds": seconds}
     for n, suffix in ((chain, ""), (long_chain, "_long")):
