@@ -78,7 +78,7 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     recipe, overrides, _, _ = ARMS[name]
     out.mkdir(parents=True, exist_ok=True)
     done, record = out / "trained.ckpt", out / "arm.json"
-    key, kept = kept_arm(out, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
+    key, kept = kept_arm(done, record, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
         cli = build(recipe, overrides, kept["steps"], out)

@@ -74,13 +74,12 @@ def machine() -> str:
     return f"{cpu}{gpu}, torch {torch.__version__}"
 
 
-def kept_arm(out: Path, recipe: Path, **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """An arm trained earlier under `out` (trained.ckpt beside arm.json) and what defines it: `settings`
-    and the recipe file's contents, so that an edited recipe trains again instead of reusing stale weights.
-    Returns (key, the arm's record if its key is this one, else None); write the key into the record."""
+def kept_arm(done: Path, record: Path, recipe: Path, **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """An arm trained earlier (its checkpoint `done`, its `record` json) and what defines it: `settings` and
+    the recipe file's contents, so that an edited recipe trains again instead of reusing stale weights.
+    Returns (key, the record if its key is this one, else None); write the key into the record."""
     key = {**settings, "recipe_sha256": hashlib.sha256(Path(recipe).read_bytes()).hexdigest()}
-    record = out / "arm.json"
-    kept = json.loads(record.read_text()) if record.is_file() and (out / "trained.ckpt").is_file() else {}
+    kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
     return key, kept if kept.get("key") == key else None
 
 

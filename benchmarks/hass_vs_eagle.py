@@ -79,7 +79,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
                          "--trainer.val_check_interval", str(steps + 1),  # never: scored below
                          "--trainer.enable_progress_bar", "false", *overrides], run=False)
     done, record = out / "trained.ckpt", out / "arm.json"
-    key, kept = kept_arm(out, ROOT / recipe, args=args)
+    key, kept = kept_arm(done, record, ROOT / recipe, args=args)
     if kept is not None:  # restored at max_steps: fit returns without a step
         print(f"{out.name}: reusing the arm trained earlier ({done})", flush=True)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)

@@ -11,17 +11,16 @@ from harness import kept_arm  # noqa: E402
 
 
 def test_a_kept_arm_is_reused_until_its_settings_or_its_recipe_change(tmp_path):
-    recipe, out = tmp_path / "recipe.yaml", tmp_path / "arm"
+    recipe, done, record = tmp_path / "recipe.yaml", tmp_path / "trained.ckpt", tmp_path / "arm.json"
     recipe.write_text("model:\n  alignment_steps: 3\n")
-    out.mkdir()
-    key, kept = kept_arm(out, recipe, overrides=["--x", "1"], minutes=8)
+    key, kept = kept_arm(done, record, recipe, overrides=["--x", "1"], minutes=8)
     assert kept is None  # nothing trained yet
-    (out / "trained.ckpt").write_bytes(b"weights")
-    (out / "arm.json").write_text(json.dumps({"key": key, "steps": 40}))
-    assert kept_arm(out, recipe, overrides=["--x", "1"], minutes=8)[1] == {"key": key, "steps": 40}
-    assert kept_arm(out, recipe, overrides=["--x", "2"], minutes=8)[1] is None
+    done.write_bytes(b"weights")
+    record.write_text(json.dumps({"key": key, "steps": 40}))
+    assert kept_arm(done, record, recipe, overrides=["--x", "1"], minutes=8)[1] == {"key": key, "steps": 40}
+    assert kept_arm(done, record, recipe, overrides=["--x", "2"], minutes=8)[1] is None
     recipe.write_text("model:\n  alignment_steps: 2\n")  # the same path, edited
-    assert kept_arm(out, recipe, overrides=["--x", "1"], minutes=8)[1] is None
+    assert kept_arm(done, record, recipe, overrides=["--x", "1"], minutes=8)[1] is None
     recipe.write_text("model:\n  alignment_steps: 3\n")
-    (out / "trained.ckpt").unlink()  # a record without its weights is not an arm
-    assert kept_arm(out, recipe, overrides=["--x", "1"], minutes=8)[1] is None
+    done.unlink()  # a record without its weights is not an arm
+    assert kept_arm(done, record, recipe, overrides=["--x", "1"], minutes=8)[1] is None

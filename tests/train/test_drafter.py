@@ -212,6 +212,7 @@ def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself
 def test_val_steps_scores_steps_beyond_the_trained_ones_without_training_them(tiny_target_dir):
     """A module trained over 2 steps and validated over 3 has the loss of the 2-step module and the metrics
     of the 3-step one, step for step, from the same weights."""
+    from draftsmith import DraftsmithError
     from draftsmith.train.drafter import DrafterModule
 
     out, metrics, state = {}, {}, None
@@ -233,5 +234,5 @@ def test_val_steps_scores_steps_beyond_the_trained_ones_without_training_them(ti
     for key, value in metrics["three"].items():
         torch.testing.assert_close(metrics["two_scored_three"][key], value)
     assert metrics["three"]["tau_t1"] > metrics["two"]["tau_t1"]  # the third step adds to the chain
-    with pytest.raises(Exception, match="val_steps"):
+    with pytest.raises(DraftsmithError, match="val_steps must be >= 1"):
         DrafterModule(str(tiny_target_dir), kind="eagle3", val_steps=0)
