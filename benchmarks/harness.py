@@ -74,11 +74,13 @@ def machine() -> str:
     return f"{cpu}{gpu}, torch {torch.__version__}"
 
 
-def kept_arm(done: Path, record: Path, recipe: Path, **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """An arm trained earlier (its checkpoint `done`, its `record` json) and what defines it: `settings` and
-    the recipe file's contents, so that an edited recipe trains again instead of reusing stale weights.
+def kept_arm(done: Path, record: Path, recipe_file: Path, /,
+             **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """An arm trained earlier (its checkpoint `done`, its `record` json) and what defines it: `settings` (which
+    may name the recipe too) and the recipe file's contents, so that an edited recipe trains again instead of
+    reusing stale weights.
     Returns (key, the record if its key is this one, else None); write the key into the record."""
-    key = {**settings, "recipe_sha256": hashlib.sha256(Path(recipe).read_bytes()).hexdigest()}
+    key = {**settings, "recipe_sha256": hashlib.sha256(Path(recipe_file).read_bytes()).hexdigest()}
     kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
     return key, kept if kept.get("key") == key else None
 

@@ -24,3 +24,10 @@ def test_a_kept_arm_is_reused_until_its_settings_or_its_recipe_change(tmp_path):
     recipe.write_text("model:\n  alignment_steps: 3\n")
     done.unlink()  # a record without its weights is not an arm
     assert kept_arm(done, record, recipe, overrides=["--x", "1"], minutes=8)[1] is None
+
+
+def test_a_setting_may_name_the_recipe_as_drafter_kinds_does(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: {}\n")
+    key, kept = kept_arm(tmp_path / "trained.ckpt", tmp_path / "arm.json", recipe, recipe="recipes/x.yaml")
+    assert kept is None and key["recipe"] == "recipes/x.yaml" and len(key["recipe_sha256"]) == 64
