@@ -244,8 +244,9 @@ def plot(rows: dict, path: Path) -> None:
             ax.bar([x + i * width for x in range(len(names))], values, width, label=mode)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
         ax.set_title(title)
-    axes[0].legend()
-    fig.tight_layout()
+    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)  # break-even with autoregressive decoding
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(modes), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
 
 
