@@ -21,10 +21,10 @@ from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import adamw_warmup_cosine, clip_gradients
+from draftsmith.train.optim import WarmupCosineAdamW
 
 
-class DistillModule(pl.LightningModule):
+class DistillModule(WarmupCosineAdamW, pl.LightningModule):
     """Distil a small causal LM from `target`.
 
     Args:
@@ -153,14 +153,8 @@ class DistillModule(pl.LightningModule):
         self.log("val/tau", 1 + sum(acc**i for i in range(1, k + 1)), prog_bar=True)  # i.i.d. chain of K
         self.val_metric.reset()
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
-        return adamw_warmup_cosine(self.student.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
-                                   h.min_lr_ratio, h.weight_decay)
+    def trained_parameters(self) -> Any:
+        return self.student.parameters()
 
 
 LARGE_VOCABULARY_WEIGHTS = 50_000_000  # embedding + head weights from which a full standalone fit is slow

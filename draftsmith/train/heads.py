@@ -30,7 +30,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
 from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, head_config, stored_inputs
 from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC, HeadKind, head_kind
-from draftsmith.train.optim import adamw_warmup_cosine
+from draftsmith.train.optim import WarmupCosineAdamW
 
 LABELS = ("soft", "hard")
 
@@ -101,7 +101,7 @@ def mixed_bce(logits: torch.Tensor, label: torch.Tensor, rejection_weight: float
     return num / (weight * (rejection_weight * (1 - a) + a)).sum().clamp_min(1e-12)
 
 
-class StopHeadModule(pl.LightningModule):
+class StopHeadModule(WarmupCosineAdamW, pl.LightningModule):
     """Fit a stop head on label rows; the drafter and the target stay out of training entirely.
 
     Args:
@@ -208,10 +208,8 @@ class StopHeadModule(pl.LightningModule):
             self.log(f"val/{name}", metric.compute(), prog_bar=name in ("auroc", "loss"))
             metric.reset()
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
-        return adamw_warmup_cosine(self.head.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
-                                   h.min_lr_ratio, h.weight_decay)
+    def trained_parameters(self) -> Any:
+        return self.head.parameters()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["draftsmith"] = {"kind": self.hparams.kind, "labels_run": self.labels_run,

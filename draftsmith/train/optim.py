@@ -1,5 +1,5 @@
-"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor; and the
-gradient clipping every training module uses.
+"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor; the
+gradient clipping every training module uses; and `WarmupCosineAdamW`, which gives a module both.
 
 The schedule is transformers' `get_cosine_with_min_lr_schedule_with_warmup`: the learning rate rises
 linearly from 0 over `warmup_steps`, then follows half a cosine down to `min_lr_ratio · lr` at the
@@ -37,3 +37,22 @@ def clip_gradients(module: Any, optimizer: torch.optim.Optimizer, clip_val: floa
         module.trainer.model.clip_grad_norm_(clip_val)
     else:
         module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+
+
+class WarmupCosineAdamW:
+    """Mixed into a training module ahead of `pl.LightningModule`: its `configure_optimizers` (AdamW over
+    `trained_parameters()` on `adamw_warmup_cosine`'s schedule, from the hyper-parameters lr, warmup_steps,
+    min_lr_ratio, weight_decay and, where the module has it, betas) and its `configure_gradient_clipping`
+    (`clip_gradients`)."""
+
+    def trained_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.parameters()
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        return adamw_warmup_cosine(self.trained_parameters(), h.lr, self.trainer.estimated_stepping_batches,
+                                   h.warmup_steps, h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)))
