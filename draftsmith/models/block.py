@@ -201,13 +201,15 @@ class BlockDrafter(nn.Module):
         self.confidence_head = ConfidenceHead(h + markov_rank) if confidence_head else None
         self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
 
-    def start_from_target_layer(self, source: nn.Module, norm_scale: Any) -> None:
-        """Start every draft layer from a target decoder layer (`DrafterModule`'s `init_layer`;
-        `start_from_target_layer_`): the context keys and values are then that layer's own projections of
-        the last fused layer, which fc passes through, and the block's queries read them as the target
-        layer's would."""
-        for layer in self.layers:
-            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc, self.target_hidden_size)
+    def start_from_target_layer(self, sources: list[nn.Module], norm_scale: Any) -> None:
+        """Start the draft layers from as many consecutive target decoder layers (`DrafterModule`'s
+        `init_layer`, the last of them; `start_from_target_layer_`): the first one's context keys and values
+        are then that target layer's own projections of the last fused layer, which fc passes through (set
+        once, with `hidden_norm`, from the first), and the block's queries read them as the target layer's
+        would; each later layer reads the same context as the target layer it copies reads its own input."""
+        for i, (layer, source) in enumerate(zip(self.layers, sources, strict=True)):
+            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc if i == 0 else None,
+                                     self.target_hidden_size)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

@@ -81,13 +81,14 @@ def build_from_target(cls: type, title: str, known: tuple[str, ...], target_conf
 
 
 def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: Any, hidden_norm: nn.Module,
-                             fc: nn.Linear, target_hidden_size: int, inputs: slice = slice(None)) -> None:
+                             fc: nn.Linear | None, target_hidden_size: int, inputs: slice = slice(None)) -> None:
     """Copy a target decoder layer (`source`) into a draft layer (`DrafterModule`'s `init_layer`): the
     attention projections (q/k/v on the input columns `inputs` of the draft layer's, e.g. the feature half of
     EAGLE-3's 2H input; q/k norms where both have them), the MLP where it is a dense one of the same
     shapes, and the norms' scales (`norm_scale`: any family's convention, Gemma's 1 + w read right);
     `hidden_norm`, which norms the fused features the layer reads, takes the source's input norm, and fc
-    passes the last fused layer through (an identity beside a tenth of its random start)."""
+    passes the last fused layer through (an identity beside a tenth of its random start); `fc` None leaves
+    both as they are (the second and later layers of a deeper drafter)."""
     h = hidden_norm.weight.shape[0]
     attn, mine = source.self_attn, layer.self_attn
     pairs = [(getattr(mine, n).weight[:, inputs], getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")]
@@ -102,8 +103,9 @@ def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: An
     # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's
     # output)
     mlp_norm = getattr(source, "pre_feedforward_layernorm", None) or source.post_attention_layernorm
-    norms = [(layer.input_layernorm, source.input_layernorm), (hidden_norm, source.input_layernorm),
-             (layer.post_attention_layernorm, mlp_norm)]
+    norms = [(layer.input_layernorm, source.input_layernorm), (layer.post_attention_layernorm, mlp_norm)]
+    if fc is not None:
+        norms.append((hidden_norm, source.input_layernorm))
     norms += [(getattr(mine, n), getattr(attn, n)) for n in ("q_norm", "k_norm")
               if hasattr(mine, n) and hasattr(attn, n)]
     with torch.no_grad():
@@ -111,8 +113,9 @@ def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: An
             dst.copy_(src)
         for dst, src in norms:
             dst.weight.copy_(norm_scale(src))
-        fc.weight.mul_(0.1)
-        fc.weight[:, -h:] += torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
+        if fc is not None:
+            fc.weight.mul_(0.1)
+            fc.weight[:, -h:] += torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
 
 
 def logit_softcap(config: Any) -> float | None:

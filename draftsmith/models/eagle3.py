@@ -91,11 +91,13 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d)  # (V,)
         self.num_aux, self.target_hidden_size = num_aux, target_hidden_size
 
-    def start_from_target_layer(self, source: nn.Module, norm_scale: Callable[[nn.Module], torch.Tensor]) -> None:
-        """Start the draft layer from a target decoder layer (`DrafterModule`'s `init_layer`) in place of a random
-        one (`start_from_target_layer_`): its attention projections read the feature half of the 2H input,
-        the token half keeps its small random start, and the first drafting step runs that target layer on
-        the target's late features."""
+    def start_from_target_layer(self, sources: list[nn.Module],
+                                norm_scale: Callable[[nn.Module], torch.Tensor]) -> None:
+        """Start the draft layer from a target decoder layer (`DrafterModule`'s `init_layer`; `sources` holds
+        it alone) in place of a random one (`start_from_target_layer_`): its attention projections read the
+        feature half of the 2H input, the token half keeps its small random start, and the first drafting
+        step runs that target layer on the target's late features."""
+        (source,) = sources
         start_from_target_layer_(self.layer, source, norm_scale, self.layer.hidden_norm, self.fc,
                                  self.target_hidden_size, slice(self.config.hidden_size, None))
 

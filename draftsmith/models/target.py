@@ -172,6 +172,15 @@ class Target:
                                   f"(it has {self.num_layers}: use 0..{self.num_layers - 1}, or -1 for the last)")
         return layers[index]
 
+    def decoder_layers(self, last: int, count: int, where: str) -> list[torch.nn.Module]:
+        """The `count` consecutive decoder layers that end at layer `last` (as `decoder_layer` reads it)."""
+        self.decoder_layer(last, where)
+        end = last % self.num_layers + 1
+        if end < count:
+            raise DraftsmithError(f"{where}: {count} draft layers start from the {count} target layers that end at "
+                                  f"layer {last}, and {self.identity.name} has only {end} up to it: pick a later layer")
+        return list(self.decoder.layers[end - count:end])
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends an answer: the tokenizer's EOS and the model config's (one id or a list)."""

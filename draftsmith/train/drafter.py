@@ -29,7 +29,7 @@ from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import adamw_warmup_cosine, clip_gradients
+from draftsmith.train.optim import WarmupCosineAdamW
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 
@@ -67,7 +67,7 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     return hiddens
 
 
-class DrafterModule(pl.LightningModule):
+class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
     """Train a feature drafter for `target` on offline feature shards or online target features.
 
     Args:
@@ -101,9 +101,9 @@ class DrafterModule(pl.LightningModule):
         mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
             the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
-        init_layer: start the draft layer(s) of an eagle3-family or block drafter from this target decoder
-            layer (0-based, -1 the last; `models.common.start_from_target_layer_`) instead of random ones;
-            None: random.
+        init_layer: start the draft layer of an eagle3-family drafter from this target decoder layer (0-based,
+            -1 the last; `models.common.start_from_target_layer_`) instead of a random one, a block drafter's n
+            layers from the n target layers that end at it; None: random.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
@@ -188,7 +188,8 @@ class DrafterModule(pl.LightningModule):
         if start is None:
             raise DraftsmithError(f"init_layer: {kind.title} drafters start from a random layer; init_layer is an "
                                   "option of the eagle3 kinds (eagle3, peagle) and the block drafters (dflash, dspark)")
-        start(target.decoder_layer(self.hparams.init_layer, "model.init_args.init_layer"), target.norm_scale)
+        start(target.decoder_layers(self.hparams.init_layer, self.drafter.config.num_hidden_layers,
+                                    "model.init_args.init_layer"), target.norm_scale)
 
     def drafter_options(self, target: Any) -> dict[str, Any]:
         """The kind's model options (`DrafterKind.options`) as this module's hyper-parameters set them."""
@@ -339,12 +340,3 @@ class DrafterModule(pl.LightningModule):
         for k, v in self.val_metric.compute().items():
             self.log(f"val/{k}", v, prog_bar=k == "tau", sync_dist=False)
         self.val_metric.reset()
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
-        return adamw_warmup_cosine(self.parameters(), h.lr, self.trainer.estimated_stepping_batches, h.warmup_steps,
-                                   h.min_lr_ratio, h.weight_decay, betas=self.hparams.betas)

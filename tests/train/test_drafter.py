@@ -162,6 +162,33 @@ def test_init_layer_starts_a_block_drafters_layer_as_that_target_layer(tiny_targ
     assert not torch.equal(random.drafter.layers[0].mlp.down_proj.weight, source.mlp.down_proj.weight)
 
 
+def test_init_layer_starts_a_deeper_block_drafter_from_consecutive_target_layers(tiny_target_dir):
+    """Two draft layers start from the two target layers that end at init_layer, in order, and fc's
+    identity is set once (not once a layer); more draft layers than the target has up to init_layer is an error."""
+    from draftsmith import DraftsmithError
+    from draftsmith.models.target import load_target
+    from draftsmith.train.block import BlockDrafterModule
+
+    torch.manual_seed(0)
+    module = BlockDrafterModule(target=str(tiny_target_dir), kind="dflash", aux_layer_ids=[0, 1, 2], block_size=4,
+                                draft_layers=2, init_layer=-1)
+    module.configure_model()
+    drafter, target = module.drafter, load_target(str(tiny_target_dir))
+    sources, h = target.decoder.layers, target.hidden_size
+    for mine, source in zip(drafter.layers, sources[-2:]):
+        assert torch.equal(mine.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        assert torch.equal(mine.mlp.gate_proj.weight, source.mlp.gate_proj.weight)
+    assert not torch.equal(sources[0].self_attn.q_proj.weight, sources[1].self_attn.q_proj.weight)
+    assert torch.equal(drafter.hidden_norm.weight, target.norm_scale(sources[0].input_layernorm))
+    fc = drafter.fc.weight
+    assert torch.allclose(torch.diagonal(fc[:, -h:]), torch.ones(h), atol=0.05)  # set once: not 1.1
+    assert fc[:, :-h].abs().max() < 0.02
+
+    with pytest.raises(DraftsmithError, match="has only 1 up to it"):
+        BlockDrafterModule(target=str(tiny_target_dir), kind="dflash", aux_layer_ids=[0, 1, 2], block_size=4,
+                           draft_layers=2, init_layer=0).configure_model()
+
+
 def test_init_layer_refuses_a_layer_the_target_lacks_and_a_kind_without_it(tiny_target_dir):
     from draftsmith import DraftsmithError
     from draftsmith.train.drafter import DrafterModule
