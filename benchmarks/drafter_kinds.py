@@ -10,9 +10,10 @@ stops it at the budget either way). Each arm then reports its validation τ̂ (v
 chain of its trained length, or its block) and decodes the same MT-bench first turns (`--prompts`,
 128 tokens each) in this process, the target's dtype chosen once (`--dtype auto`):
 
-- greedy and T = 1 chains at the kind's length (eagle3 family 3, P-EAGLE 4, DFlash 7, DSpark 8), and
-  greedy EAGLE-2 trees within `--tree`, sized by measured cost (`eval`'s default), for the kinds that
-  have them;
+- greedy and T = 1 chains at the kind's length (eagle3 family 3, P-EAGLE 4, DFlash 7, DSpark 8), greedy
+  chains sized by measured cost up to that length (`eval`'s default policy: a kind whose later tokens are
+  rarely accepted verifies fewer), and greedy EAGLE-2 trees within `--tree`, sized by cost as well, for
+  the kinds that have them;
 - DSpark also with its confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on
   held-out chats (never the benchmark's prompts);
 - autoregressive decoding of the same prompts before and after the arms (their mean is the baseline).
@@ -81,8 +82,13 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     key, kept = kept_arm(done, record, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
-        cli = build(recipe, overrides, kept["steps"], out)
+        # restored at the step it stopped at (max_time stops an arm short of its planned steps): fit returns
+        # without a step; the learning-rate schedule is never used again
+        cli = build(recipe, overrides, kept["trained_steps"], out)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
+        if cli.trainer.global_step != kept["trained_steps"]:
+            raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "
+                               f"not the {kept['trained_steps']} it trained")
         info = kept
     else:
         per_step = seconds_per_step(recipe, overrides, out)
@@ -153,7 +159,7 @@ def main() -> None:
     from draftsmith.export import export
     from draftsmith.models.target import load_target
     from draftsmith.pipeline import ensure_features
-    from draftsmith.runtime.cost import TreeCost, TreeCostMeter
+    from draftsmith.runtime.cost import CostAware, CostMeter, TreeCost, TreeCostMeter
     from draftsmith.runtime.policies import BlockConfidence, Static
     from draftsmith.runtime.loading import feature_proposer
     from draftsmith.runtime.proposers import NoProposer
@@ -183,6 +189,8 @@ def main() -> None:
         row = {"val_tau": info["val_tau"], "val_tau_t1": info["val_tau_t1"], "steps": info["trained_steps"],
                "chain": decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
                "chain_t1": decode(runner, make(), prompts, lambda: Static(k), t1, eos)}
+        meter = CostMeter()  # chains sized by cost, one meter for the arm's prompts, as `eval` shares one
+        row["chain_cost"] = decode(runner, make(), prompts, lambda: CostAware(k=k, meter=meter), greedy, eos)
         if trees:
             shape, meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
             row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=meter), greedy, eos, tree=shape)
@@ -234,7 +242,7 @@ def plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = ["chain", "chain_t1", "tree", "confidence"]
+    modes = ["chain", "chain_t1", "chain_cost", "tree", "confidence"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = list(rows)
     for ax, key, title in ((axes[0], "tau", "acceptance length τ"), (axes[1], "speedup", "speedup over autoregressive")):
