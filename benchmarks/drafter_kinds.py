@@ -189,11 +189,11 @@ def main() -> None:
         row = {"val_tau": info["val_tau"], "val_tau_t1": info["val_tau_t1"], "steps": info["trained_steps"],
                "chain": decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
                "chain_t1": decode(runner, make(), prompts, lambda: Static(k), t1, eos)}
-        meter = CostMeter()  # chains sized by cost, one meter for the arm's prompts, as `eval` shares one
-        row["chain_cost"] = decode(runner, make(), prompts, lambda: CostAware(k=k, meter=meter), greedy, eos)
+        chain_meter = CostMeter()  # chains sized by cost, one meter for the arm's prompts, as `eval` shares one
+        row["chain_cost"] = decode(runner, make(), prompts, lambda: CostAware(k=k, meter=chain_meter), greedy, eos)
         if trees:
-            shape, meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
-            row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=meter), greedy, eos, tree=shape)
+            shape, tree_meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
+            row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=tree_meter), greedy, eos, tree=shape)
         if name == "dspark":  # its confidence policy, the threshold tuned on held-out chats
             native = out / name / "native"
             export(str(out / name / "trained.ckpt"), "native", str(native))

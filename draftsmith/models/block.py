@@ -27,7 +27,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import (build_from_target, drafter_config, frozen_embedding, frozen_linear, init_linear_,
-                                      layer_classes, start_from_target_layer_)
+                                      layer_classes, pass_last_fused_layer_, start_from_target_layer_)
 
 OPTIONS = ("block_size", "draft_layers", "mask_token_id", "markov_rank", "confidence_head")
 
@@ -206,10 +206,10 @@ class BlockDrafter(nn.Module):
         `init_layer`, the last of them; `start_from_target_layer_`): the first one's context keys and values
         are then that target layer's own projections of the last fused layer, which fc passes through (set
         once, with `hidden_norm`, from the first), and the block's queries read them as the target layer's
-        would; each later layer reads the same context as the target layer it copies reads its own input."""
-        for i, (layer, source) in enumerate(zip(self.layers, sources, strict=True)):
-            start_from_target_layer_(layer, source, norm_scale, self.hidden_norm, self.fc if i == 0 else None,
-                                     self.target_hidden_size)
+        would; each later layer copies the target layer after the one before it."""
+        for layer, source in zip(self.layers, sources, strict=True):
+            start_from_target_layer_(layer, source, norm_scale, self.config.hidden_size)
+        pass_last_fused_layer_(self.fc, self.hidden_norm, sources[0], norm_scale, self.target_hidden_size)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,

@@ -80,16 +80,12 @@ def build_from_target(cls: type, title: str, known: tuple[str, ...], target_conf
     return cls(target_config, embed_weight, head_weight, norm_weight, draft_ids, num_aux, target_hidden_size, **options)
 
 
-def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: Any, hidden_norm: nn.Module,
-                             fc: nn.Linear | None, target_hidden_size: int, inputs: slice = slice(None)) -> None:
-    """Copy a target decoder layer (`source`) into a draft layer (`DrafterModule`'s `init_layer`): the
-    attention projections (q/k/v on the input columns `inputs` of the draft layer's, e.g. the feature half of
-    EAGLE-3's 2H input; q/k norms where both have them), the MLP where it is a dense one of the same
-    shapes, and the norms' scales (`norm_scale`: any family's convention, Gemma's 1 + w read right);
-    `hidden_norm`, which norms the fused features the layer reads, takes the source's input norm, and fc
-    passes the last fused layer through (an identity beside a tenth of its random start); `fc` None leaves
-    both as they are (the second and later layers of a deeper drafter)."""
-    h = hidden_norm.weight.shape[0]
+def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: Any, hidden_size: int,
+                             inputs: slice = slice(None)) -> None:
+    """Copy a target decoder layer (`source`) into a draft layer of `hidden_size` (`DrafterModule`'s
+    `init_layer`): the attention projections (q/k/v on the input columns `inputs` of the draft layer's, e.g. the
+    feature half of EAGLE-3's 2H input; q/k norms where both have them), the MLP where it is a dense one of the
+    same shapes, and the norms' scales (`norm_scale`: any family's convention, Gemma's 1 + w read right)."""
     attn, mine = source.self_attn, layer.self_attn
     pairs = [(getattr(mine, n).weight[:, inputs], getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj")]
     pairs.append((mine.o_proj.weight, attn.o_proj.weight))
@@ -97,15 +93,13 @@ def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: An
         pairs += [(getattr(layer.mlp, n).weight, getattr(source.mlp, n).weight)
                   for n in ("gate_proj", "up_proj", "down_proj")]
     bad = [tuple(src.shape) for dst, src in pairs if dst.shape != src.shape]
-    if bad or target_hidden_size != h:
-        raise DraftsmithError(f"init_layer: the target layer's weights {bad or 'hidden size'} do not fit the draft "
-                              f"layer (hidden {h}): start from a random layer (init_layer: null)")
+    if bad:
+        raise DraftsmithError(f"init_layer: the target layer's weights {bad} do not fit the draft layer (hidden "
+                              f"{hidden_size}): start from a random layer (init_layer: null)")
     # Gemma's norm before its MLP is pre_feedforward_layernorm (its post_attention_layernorm norms the attention's
     # output)
     mlp_norm = getattr(source, "pre_feedforward_layernorm", None) or source.post_attention_layernorm
     norms = [(layer.input_layernorm, source.input_layernorm), (layer.post_attention_layernorm, mlp_norm)]
-    if fc is not None:
-        norms.append((hidden_norm, source.input_layernorm))
     norms += [(getattr(mine, n), getattr(attn, n)) for n in ("q_norm", "k_norm")
               if hasattr(mine, n) and hasattr(attn, n)]
     with torch.no_grad():
@@ -113,9 +107,21 @@ def start_from_target_layer_(layer: nn.Module, source: nn.Module, norm_scale: An
             dst.copy_(src)
         for dst, src in norms:
             dst.weight.copy_(norm_scale(src))
-        if fc is not None:
-            fc.weight.mul_(0.1)
-            fc.weight[:, -h:] += torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
+
+
+def pass_last_fused_layer_(fc: nn.Linear, hidden_norm: nn.Module, source: nn.Module, norm_scale: Any,
+                           target_hidden_size: int) -> None:
+    """Make fc pass the last fused target layer through (an identity beside a tenth of its random start) and
+    `hidden_norm`, which norms what the first draft layer reads, take `source`'s input norm: with
+    `start_from_target_layer_`, the first draft layer then starts as `source` run on that layer's output."""
+    h = hidden_norm.weight.shape[0]
+    if target_hidden_size != h:
+        raise DraftsmithError(f"init_layer: the target's hidden size {target_hidden_size} is not the draft "
+                              f"layer's {h}: start from a random layer (init_layer: null)")
+    with torch.no_grad():
+        hidden_norm.weight.copy_(norm_scale(source.input_layernorm))
+        fc.weight.mul_(0.1)
+        fc.weight[:, -h:] += torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
 
 
 def logit_softcap(config: Any) -> float | None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from draftsmith import DraftsmithError
 from draftsmith.models.common import (build_from_target, cache_kwargs, drafter_config, frozen_embedding, init_linear_,
-                                      layer_classes, start_from_target_layer_)
+                                      layer_classes, pass_last_fused_layer_, start_from_target_layer_)
 
 OPTIONS = ("fc_norm", "norm_before_fc", "norm_output")  # EAGLE-3.1's, all off by default
 
@@ -98,8 +98,9 @@ class Eagle3Drafter(nn.Module):
         feature half of the 2H input, the token half keeps its small random start, and the first drafting
         step runs that target layer on the target's late features."""
         (source,) = sources
-        start_from_target_layer_(self.layer, source, norm_scale, self.layer.hidden_norm, self.fc,
-                                 self.target_hidden_size, slice(self.config.hidden_size, None))
+        start_from_target_layer_(self.layer, source, norm_scale, self.config.hidden_size,
+                                 slice(self.config.hidden_size, None))
+        pass_last_fused_layer_(self.fc, self.layer.hidden_norm, source, norm_scale, self.target_hidden_size)
 
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
