@@ -9,9 +9,10 @@ there, weighted w_i = exp(−(i − first)/γ) (DFlash's position decay) and ave
 
 DSpark adds the Markov bias (teacher-forced: the previous token is the data's) and trains its
 confidence head with binary cross-entropy against each slot's acceptance rate α = Σ min(p, q) under
-speculative sampling at T = 1 (the expectation of the accept/reject outcome, a label of lower variance
+speculative sampling at T = 1 (p over a pruned draft vocabulary renormalised, as distilled: the law itself
+would need the target's whole head at every position, most of a step; the expectation of the accept/reject outcome, a label of lower variance
 than a draw); validation scores the head with torchmetrics' AUROC and calibration error against drawn
-outcomes Bernoulli(α) (a fixed generator), the labels a decode would see.
+outcomes Bernoulli(α) (a fixed generator, α against the law itself), the labels a decode would see.
 
 Notation: N sequences, L positions, A anchors, B block, H hidden, Vd draft vocabulary, M selected slots.
 """
@@ -95,7 +96,7 @@ class BlockDrafterModule(DrafterModule):
         n, length = ids.shape
         carries = batch["loss_mask"].bool() & valid  # (N, L): x_i is a real assistant token
         predicts = F.pad(carries[:, 1:], (0, 1))  # (N, L): the target's law at i, over x_{i+1}, carries loss
-        row, table, top1 = self._target_table(final, predicts, with_metrics)
+        row, table, top1, mass_in = self._target_table(final, predicts, with_metrics)
         eligible = valid & predicts  # the anchor's next token carries loss
         generator = None if self.training else torch.Generator().manual_seed(0)
         anchors, real = draw_anchors(eligible, h.anchors, generator)  # (N, A)
@@ -128,10 +129,13 @@ class BlockDrafterModule(DrafterModule):
             parts["distill"] = weighted_mean(soft_cross_entropy_per_position(logits, sharpen(p, h.target_temperature)),
                                              weight)
             total = h.ce_weight * parts["distill"]
-        alpha = None  # (M,) acceptance at T = 1, for the confidence head and the metrics
+        alpha = accepted = None  # (M,) acceptance at T = 1: the confidence head's label; the metrics' rate
         if drafter.confidence_head is not None or with_metrics:
             with torch.no_grad():
-                alpha = torch.minimum(p, logits.softmax(-1)).sum(-1)
+                q = logits.softmax(-1)
+                alpha = torch.minimum(p, q).sum(-1)  # against p renormalised over a pruned vocabulary, as distilled
+                # against the law itself (its mass outside the vocabulary is never drafted): what a decode sees
+                accepted = alpha if mass_in is None else torch.minimum(p * mass_in[rows, None], q).sum(-1)
         if h.acceptance_weight:
             parts["acceptance"] = weighted_mean(acceptance_per_position(logits, p, h.acceptance_loss,
                                                                         h.acceptance_eta), weight)
@@ -142,12 +146,12 @@ class BlockDrafterModule(DrafterModule):
                 F.binary_cross_entropy_with_logits(confidence, alpha, reduction="none"), weight)
             total = total + h.confidence_weight * parts["confidence"]
             if with_metrics:
-                draws = torch.rand(len(alpha), generator=torch.Generator().manual_seed(1)).to(alpha.device)
-                outcome = (draws < alpha).long()
+                draws = torch.rand(len(accepted), generator=torch.Generator().manual_seed(1)).to(accepted.device)
+                outcome = (draws < accepted).long()
                 self.val_auroc.update(confidence.sigmoid(), outcome)
                 self.val_ece.update(confidence.sigmoid(), outcome)
         if with_metrics:
-            self._score_slots(slot - first, logits, top1[rows], alpha)
+            self._score_slots(slot - first, logits, top1[rows], accepted)
         return {"loss": total, **parts}
 
     @torch.no_grad()

@@ -26,12 +26,25 @@ from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear, lo
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
 from draftsmith.train.frozen import load_frozen_target
+from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import WarmupCosineAdamW
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
+
+
+def full_head_summary(x: torch.Tensor, weight: torch.Tensor, cap: float | None,
+                      chunk: int = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax and logsumexp of soft_cap(x Wᵀ) over the whole vocabulary, (N,) each, a chunk of rows at a time
+    (the target's full-vocabulary head, where a pruned draft vocabulary's table holds only part of it)."""
+    top1 = torch.empty(len(x), dtype=torch.long, device=x.device)
+    lse = torch.empty(len(x), dtype=torch.float32, device=x.device)
+    for a, b in blocks(len(x), chunk):
+        z = soft_cap(x[a:b].to(weight.dtype) @ weight.T, cap).float()
+        top1[a:b], lse[a:b] = z.argmax(-1), torch.logsumexp(z, -1)
+    return top1, lse
 
 
 def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
@@ -252,8 +265,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
     def _target_table(self, final: torch.Tensor, carries: torch.Tensor, with_top1: bool) -> tuple[torch.Tensor, ...]:
         """Target distributions at every position that carries loss in any step, computed once.
 
-        Returns row (B, T+1) → table row (-1 where none), p (M, V or Vd) and, for metrics,
-        the target's full-vocabulary argmax (M,).
+        Returns row (B, T+1) → table row (-1 where none), p (M, V or Vd), for metrics the target's
+        full-vocabulary argmax (M,) and the share of the target's law a pruned draft vocabulary holds (M,;
+        None for a full one). p is renormalised over a pruned vocabulary (the distillation target); p · mass
+        is the target's own law on it, which a drafted token is accepted against: Σ min(p · mass, q) is the
+        acceptance at T = 1. The metrics' extra costs one pass of the full head, which they need for the
+        argmax anyway; a training step never pays it.
         """
         need = carries.clone()
         need[:, 0] = False  # position 0 is never predicted
@@ -262,11 +279,15 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         feats = final[need]  # (M, H)
         rows = self.drafter.draft_to_target
         weight = self.target_head.weight if rows is None else self.target_head.weight[rows]
-        p = torch.softmax(soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float(), dim=-1)  # (M, V or Vd)
-        top1 = None
-        if with_top1:
-            top1 = p.argmax(-1) if rows is None else (feats.to(weight.dtype) @ self.target_head.weight.T).argmax(-1)
-        return row, p, top1
+        z = soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float()  # (M, V or Vd)
+        p = torch.softmax(z, dim=-1)
+        top1 = mass = None
+        if rows is None:
+            top1 = p.argmax(-1) if with_top1 else None
+        elif with_top1:
+            top1, lse = full_head_summary(feats, self.target_head.weight, self.softcap)
+            mass = torch.exp(torch.logsumexp(z, -1) - lse).clamp_max(1.0)
+        return row, p, top1, mass
 
     def alignment_forward(self, batch: dict[str, Any], with_metrics: bool) -> dict[str, torch.Tensor]:
         ids, valid = batch["input_ids"], batch["attention_mask"].bool()
@@ -276,7 +297,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         t = ids.shape[1] - 1
         anchors = valid[:, :-1]  # (B, T)
         carries = batch["loss_mask"].bool() & valid  # (B, T+1): x_i is a real assistant token
-        row, table, top1 = self._target_table(final, carries, with_metrics)  # table: (M, V or Vd)
+        row, table, top1, mass_in = self._target_table(final, carries, with_metrics)  # table: (M, V or Vd)
         h = self.hparams
         weight = self.drafter.lm_head.weight  # (V or Vd, H)
         mass, mix = target_mix(sharpen(table, h.target_temperature), weight, h.ce_weight, h.topk_weight,
@@ -311,7 +332,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                     loss = loss + h.feature_weight * parts[f"feature_{j}"]
                 total = total + weights[j] * loss
             if j < scored:
-                self.val_metric.update_from_head(j, x, weight, table, rows, top1[rows], self.drafter.draft_to_target)
+                self.val_metric.update_from_head(j, x, weight, table, rows, top1[rows], self.drafter.draft_to_target,
+                                                 table_mass=mass_in)
         if not torch.is_tensor(total):  # no position carried loss in this batch
             total = sum(p.sum() * 0.0 for p in self.drafter.parameters() if p.requires_grad)
         return {"loss": total, **parts}

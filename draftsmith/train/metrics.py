@@ -34,12 +34,14 @@ class DraftAcceptance(Metric):
     @torch.no_grad()
     def update_from_head(self, step: int, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                          target_top1: torch.Tensor, to_target: torch.Tensor | None = None, chunk: int = HEAD_CHUNK,
-                         bias: torch.Tensor | None = None) -> None:
+                         bias: torch.Tensor | None = None, table_mass: torch.Tensor | None = None) -> None:
         """Score the drafter's head x Wᵀ (x (N, H), W (V', H)) against the target's p = table[rows] (N, V').
 
         A chunk of rows at a time, its element-wise work `cache_rows` rows at a time: whole (N, V) float
         logits cost more in page faults and copies than in arithmetic on a CPU (as in `head_logsumexp`).
-        `to_target` maps a pruned draft vocabulary's ids to target ids; `bias` is the head's, if it has one.
+        `to_target` maps a pruned draft vocabulary's ids to target ids; `bias` is the head's, if it has one;
+        `table_mass` (one per table row) the share of the target's law a pruned vocabulary's renormalised table
+        holds, so that the T = 1 overlap is against the law itself.
         """
         block = cache_rows(len(weight), weight.device)
         for a, b in blocks(len(rows), chunk):
@@ -48,7 +50,10 @@ class DraftAcceptance(Metric):
                 logits = z[c:d].float()
                 top = logits.topk(self.top_k, -1).indices
                 q = logits.softmax(-1)
-                overlap = torch.minimum(table[rows[a + c:a + d]], q, out=q).sum(-1)
+                p = table[rows[a + c:a + d]]
+                if table_mass is not None:
+                    p = p * table_mass[rows[a + c:a + d], None]
+                overlap = torch.minimum(p, q, out=q).sum(-1)
                 self.update(step, top if to_target is None else to_target[top], target_top1[a + c:a + d], overlap)
 
     @staticmethod

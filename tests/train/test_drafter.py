@@ -236,6 +236,32 @@ def test_target_temperature_distills_the_sharpened_law_and_scores_the_law_itself
     torch.testing.assert_close(metrics[0.5], metrics[1.0])
 
 
+def test_t1_metric_of_a_pruned_vocabulary_is_the_overlap_with_the_targets_own_law(tiny_target_dir):
+    """With a pruned draft vocabulary the distillation target is the target's law renormalised over it, but the
+    T = 1 acceptance is Σ_v∈Vd min(p(v), q(v)) with p the law itself: the mass outside is never drafted."""
+    from draftsmith.train.drafter import DrafterModule
+
+    torch.manual_seed(0)
+    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                           draft_vocab_size=8, count_tokens=lambda v: torch.arange(v))  # the 8 highest ids
+    module.configure_model()
+    t, ids = 7, module.drafter.draft_to_target
+    assert len(ids) < module.target_head.weight.shape[0]
+    batch = feature_batch(module, t)
+    with torch.no_grad():
+        module.alignment_forward(batch, with_metrics=True)
+        got = module.val_metric.compute()["tau_t1"]
+        feature = module.drafter.project(batch["final"][:, :-1], batch["aux"][:, :-1])
+        hidden = alignment_hiddens(module.drafter, batch["input_ids"], feature, torch.ones(1, t - 1, dtype=torch.bool),
+                                   1)[0]
+        q = torch.softmax(module.drafter.logits(hidden)[0], -1)  # (t-1, Vd)
+        p = torch.softmax(batch["final"][0, 1:] @ module.target_head.weight.T, -1)[:, ids]  # the law on Vd
+    own = 1 + torch.minimum(p, q).sum(-1).mean()
+    renormalised = 1 + torch.minimum(p / p.sum(-1, keepdim=True), q).sum(-1).mean()
+    assert renormalised - own > 0.01  # the case tells the two apart
+    torch.testing.assert_close(got, own.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_val_steps_scores_steps_beyond_the_trained_ones_without_training_them(tiny_target_dir):
     """A module trained over 2 steps and validated over 3 has the loss of the 2-step module and the metrics
     of the 3-step one, step for step, from the same weights."""

@@ -92,12 +92,14 @@ def test_block_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, l
     A block drafter reads the target only through its fused features and starts further away than an
     EAGLE drafter, so it gets 300 steps; the tiny target's near-flat laws make the cross-entropy move
     little (its floor is their entropy) and its argmax fragile, so the confidence head's cross-entropy,
-    which shares the drafter's hidden states, is weighted 0.1 here. The TV loss (1 − α) must fall tenfold."""
+    which shares the drafter's hidden states, is weighted 0.1 here. The TV loss (1 − α) must fall tenfold.
+    The head covers the whole vocabulary: a pruned one holds a share of the tiny target's near-flat laws
+    about its own size, and the T = 1 acceptance, against the law itself, can never pass that share."""
     from draftsmith.train.block import BlockDrafterModule
 
     batch, dm = batch_and_data
     module = BlockDrafterModule(target=str(tiny_features / "target"), kind=kind, aux_layer_ids=[0, 1, 2],
-                                draft_vocab_size=40, block_size=4, anchors=16, count_tokens=dm.token_counts,
+                                draft_vocab_size=None, block_size=4, anchors=16, count_tokens=dm.token_counts,
                                 **{"ce_weight": 1.0, **losses})
     module.configure_model()
     module.log = lambda *a, **k: None
@@ -122,7 +124,7 @@ def test_a_block_drafter_distils_the_sharpened_law(tiny_features, batch_and_data
     for temperature in (1.0, 0.5):
         torch.manual_seed(0)
         module = block.BlockDrafterModule(target=str(tiny_features / "target"), kind="dflash", aux_layer_ids=[0, 1, 2],
-                                          draft_vocab_size=40, block_size=4, anchors=16, count_tokens=dm.token_counts,
+                                          draft_vocab_size=None, block_size=4, anchors=16, count_tokens=dm.token_counts,
                                           ce_weight=1.0, target_temperature=temperature)
         module.configure_model()
         module.eval()
