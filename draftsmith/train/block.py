@@ -9,10 +9,11 @@ there, weighted w_i = exp(−(i − first)/γ) (DFlash's position decay) and ave
 
 DSpark adds the Markov bias (teacher-forced: the previous token is the data's) and trains its
 confidence head with binary cross-entropy against each slot's acceptance rate α = Σ min(p, q) under
-speculative sampling at T = 1 (p over a pruned draft vocabulary renormalised, as distilled: the law itself
-would need the target's whole head at every position, most of a step; the expectation of the accept/reject outcome, a label of lower variance
-than a draw); validation scores the head with torchmetrics' AUROC and calibration error against drawn
-outcomes Bernoulli(α) (a fixed generator, α against the law itself), the labels a decode would see.
+speculative sampling at T = 1, with p renormalised over a pruned draft vocabulary as distilled (the law
+itself would take the target's whole head at every position, most of a step). α is the expectation of
+the accept/reject outcome, a label of lower variance than a draw. Validation scores the head with
+torchmetrics' AUROC and calibration error against outcomes drawn with a fixed generator at the rate
+against the law itself, the labels a decode would see.
 
 Notation: N sequences, L positions, A anchors, B block, H hidden, Vd draft vocabulary, M selected slots.
 """
