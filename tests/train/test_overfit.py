@@ -124,7 +124,7 @@ def test_a_block_drafter_distils_the_sharpened_law(tiny_features, batch_and_data
     for temperature in (1.0, 0.5):
         torch.manual_seed(0)
         module = block.BlockDrafterModule(target=str(tiny_features / "target"), kind="dflash", aux_layer_ids=[0, 1, 2],
-                                          draft_vocab_size=None, block_size=4, anchors=16, count_tokens=dm.token_counts,
+                                          draft_vocab_size=40, block_size=4, anchors=16, count_tokens=dm.token_counts,
                                           ce_weight=1.0, target_temperature=temperature)
         module.configure_model()
         module.eval()
