@@ -222,9 +222,11 @@ def train_block(root, tmp_path, kind: str = "dflash", steps: int = 2, **model):
 
 @pytest.fixture(scope="session")
 def peagle_ckpt(tiny_features, tmp_path_factory):
-    """A P-EAGLE drafter of the tiny target: 3 alignment steps, the last two on its parallel mask inputs."""
+    """A P-EAGLE drafter of the tiny target: 3 alignment steps, the last two on its parallel mask inputs,
+    trained at a COD sample of the anchors (as the recipes train)."""
     return train(tiny_features, tmp_path_factory.mktemp("peagle"), kind="peagle", draft_vocab_size=40,
-                 aux_layer_ids=[0, 1, 2], alignment_steps=3, topk_weight=0.0, ce_weight=1.0)
+                 aux_layer_ids=[0, 1, 2], alignment_steps=3, topk_weight=0.0, ce_weight=1.0,
+                 down_sample_ratio=0.7, down_sample_ratio_min=0.2)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pytorch_lightning as pl
@@ -54,27 +55,61 @@ def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
     return y if pad <= 0 else F.pad(y, (0, 0) * (y.dim() - 2) + (0, pad))
 
 
+def cod_positions(anchors: torch.Tensor, steps: int, ratio: float, floor: float,
+                  generator: torch.Generator | None = None) -> list[torch.Tensor | None]:
+    """P-EAGLE's conditional drop-token (COD) sampling: the anchors each parallel step trains.
+
+    Step 0 keeps every anchor (None); step j ≥ 1 keeps S_j = ⌈n · max(ratio^j, floor)⌉ of them (n: the most
+    real anchors of a row), as indices (B, S_j) into the T anchors. Each step keeps a prefix of the
+    step before's (one random order a row, real anchors first), so a kept query at step j finds its own
+    chain's keys of steps 1..j−1 — the condition. Rows with fewer real anchors fill with padding
+    positions, which carry no loss."""
+    b, t = anchors.shape
+    noise = torch.rand(b, t, generator=generator, device="cpu").to(anchors.device)
+    order = torch.where(anchors, noise, noise + 2.0).argsort(-1)  # (B, T): real anchors first
+    real = max(int(anchors.sum(-1).max()), 1)
+    return [None] + [order[:, :min(t, math.ceil(real * max(ratio ** j, floor)))] for j in range(1, steps)]
+
+
+def kept_mask(anchors: torch.Tensor, kept: list[torch.Tensor], step: int) -> torch.Tensor:
+    """`alignment_mask` for the anchors COD sampling kept: step `step`'s queries kept[step] (B, S) over the
+    step-0 keys of every anchor (causal) and the kept keys of steps 1..step (each query its own chain's),
+    (B, 1, S, T + S_1 + … + S_step) bool."""
+    index = kept[step]
+    t, s = anchors.shape[1], index.shape[1]
+    causal = (torch.arange(t, device=index.device)[None, None] <= index[..., None]) & anchors[:, None, :]
+    own = [torch.eye(s, kept[i].shape[1], dtype=torch.bool, device=index.device).expand(len(index), s, -1)
+           for i in range(1, step + 1)]
+    return torch.cat([causal, *own], dim=-1)[:, None]
+
+
 def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor,
-                      steps: int, detach: bool = False) -> list[torch.Tensor]:
+                      steps: int, detach: bool = False, kept: list[torch.Tensor | None] | None = None
+                      ) -> list[torch.Tensor]:
     """The drafter's hidden output at every anchor for steps 0..steps-1, each (B, T, H).
 
     ids (B, T+1) tokens, feature (B, T, H) step-0 features at anchors 0..T-1, anchors (B, T)
     real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs;
     `detach`: read them as constants, so a later step's loss does not reach back through them.
     A P-EAGLE drafter's steps j ≥ 1 read its mask inputs instead (`mask_inputs`): the parallel positions
-    it drafts from in one forward, which see what step j of a chain sees.
+    it drafts from in one forward, which see what step j of a chain sees. `kept` (`cod_positions`, P-EAGLE
+    only) runs those steps at the kept anchors alone; the others' rows of the output are zeros.
     """
-    t = feature.shape[1]
-    positions = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], t)
+    b, t = anchors.shape
+    positions = torch.arange(t, device=ids.device)[None].expand(b, t)
     cache, hiddens = KVBuffer(), []
     parallel = hasattr(drafter, "mask_inputs")
     for j in range(steps):
-        tokens = shift(ids, j, t)
+        tokens, index = shift(ids, j, t), (kept[j] if kept is not None and parallel else None)
         if parallel and j > 0:
-            tokens, feature = drafter.mask_inputs(ids.shape[0], t)
+            tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
         elif detach and j > 0:
             feature = feature.detach()
-        out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
+        if index is None:
+            out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
+        else:
+            out = drafter(tokens, feature, index + j, kept_mask(anchors, kept, j), cache)  # (B, S_j, H)
+            out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
         hiddens.append(out)
         feature = out
     return hiddens
@@ -114,6 +149,9 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
             the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
+        down_sample_ratio: P-EAGLE's COD sampling (`cod_positions`): parallel step j trains a random
+            ratio^j of the anchors, nested (1 = every anchor); validation scores every anchor.
+        down_sample_ratio_min: the floor of that share.
         init_layer: start the draft layer of an eagle3-family drafter from this target decoder layer (0-based,
             -1 the last; `models.common.start_from_target_layer_`) instead of a random one, a block drafter's n
             layers from the n target layers that end at it; None: random.
@@ -139,7 +177,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                  topk_weight: float = 0.0, topk: int = 10, target_temperature: float = 1.0,
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
-                 mask_token_id: int | None = None, feature_noise: float = 0.0, init_layer: int | None = None,
+                 mask_token_id: int | None = None, down_sample_ratio: float = 1.0, down_sample_ratio_min: float = 0.2,
+                 feature_noise: float = 0.0, init_layer: int | None = None,
                  lr: float = 3e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, metric_top_k: int = 5,
                  target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
@@ -152,6 +191,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         entry = drafter_kind(kind)
         if not entry.reads_features:
             raise DraftsmithError(f"DrafterModule trains feature drafters; {entry.title} trains with {entry.trainer}")
+        if not (0 < down_sample_ratio <= 1 and 0 < down_sample_ratio_min <= 1):
+            raise DraftsmithError(f"down_sample_ratio and down_sample_ratio_min must be in (0, 1], got "
+                                  f"{down_sample_ratio} and {down_sample_ratio_min}")
+        if down_sample_ratio < 1 and not entry.parallel:
+            raise DraftsmithError(f"down_sample_ratio (COD sampling) thins the parallel steps of P-EAGLE; "
+                                  f"{entry.title} has none")
         if target_temperature <= 0:
             raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
         if acceptance_loss not in ACCEPTANCE_LOSSES:
@@ -309,10 +354,14 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         weights = step_weights(h.alignment_steps, h.step_weight_decay)
         scored = self.val_metric.num_steps if with_metrics else 0  # validation scores these steps
         steps = max(h.alignment_steps, scored)
-        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, steps, h.detach_steps)
+        kept = cod_positions(anchors, steps, h.down_sample_ratio, h.down_sample_ratio_min) \
+            if self.training and h.get("down_sample_ratio", 1.0) < 1 else None
+        hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, steps, h.detach_steps, kept)
         total, parts = 0.0, {}
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)
+            if kept is not None and kept[j] is not None:  # COD sampling: the anchors step j ran at
+                sel = sel & torch.zeros_like(sel).scatter(1, kept[j], True)
             if not sel.any():
                 continue
             rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)

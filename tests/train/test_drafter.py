@@ -1,10 +1,14 @@
+import math
+
 import pytest
 import torch
 
+from draftsmith import DraftsmithError
+
 from draftsmith.models.common import KVBuffer, alignment_mask
 from draftsmith.models.eagle import EagleDrafter
-from draftsmith.models.eagle3 import Eagle3Drafter
-from draftsmith.train.drafter import alignment_hiddens
+from draftsmith.models.eagle3 import Eagle3Drafter, PEagleDrafter
+from draftsmith.train.drafter import DrafterModule, alignment_hiddens, cod_positions
 from tests.conftest import make_llama
 
 V, H = 50, 32
@@ -68,6 +72,40 @@ def test_alignment_step_j_equals_decoding_with_its_own_features(kind):
                                                msg=f"row {row} anchor {t} step {j}")
     # step 1 is not step 0 applied again: it really reads the drafter's own features
     assert not torch.allclose(hiddens[1], hiddens[0], atol=1e-3)
+
+
+def test_cod_sampling_runs_the_kept_anchors_exactly_as_the_full_pass():
+    """P-EAGLE's COD sampling: parallel step j runs at a nested sample of the anchors (⌈n·max(0.7^j, 0.2)⌉,
+    real anchors first), and a kept anchor's hidden state is the one the pass over every anchor computes
+    there: its step-0 keys and its own chain's earlier steps, nothing of the dropped anchors."""
+    torch.manual_seed(0)
+    target = make_llama(V, hidden=H)
+    drafter = PEagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight,
+                            target.model.norm.weight, torch.arange(V), 3, H, mask_token_id=0).eval()
+    steps, t_len = 4, 12
+    ids, final, aux = torch.randint(0, V, (2, t_len + 1)), torch.randn(2, t_len + 1, H), torch.randn(2, t_len + 1, 3 * H)
+    valid = torch.ones(2, t_len + 1, dtype=torch.bool)
+    valid[1, 9:] = False
+    anchors = valid[:, :-1]
+    kept = cod_positions(anchors, steps, 0.7, 0.2, torch.Generator().manual_seed(0))
+    assert kept[0] is None and [k.shape[1] for k in kept[1:]] == [math.ceil(12 * r) for r in (0.7, 0.49, 0.343)]
+    for longer, shorter in zip(kept[1:], kept[2:]):
+        assert torch.equal(shorter, longer[:, :shorter.shape[1]])  # each step keeps a prefix of the one before
+    assert sorted(kept[1][1].tolist()) == list(range(9))  # row 1's nine real anchors come first
+    with torch.no_grad():
+        feature = drafter.project(final[:, :-1], aux[:, :-1])
+        full = alignment_hiddens(drafter, ids, feature, anchors, steps)
+        cod = alignment_hiddens(drafter, ids, feature, anchors, steps, kept=kept)
+    torch.testing.assert_close(cod[0], full[0])
+    for j in range(1, steps):
+        for row in range(2):
+            index = kept[j][row]
+            torch.testing.assert_close(cod[j][row, index], full[j][row, index], atol=2e-5, rtol=1e-4)
+            dropped = torch.ones(t_len, dtype=torch.bool).index_fill(0, index, False)
+            assert cod[j][row, dropped].abs().sum() == 0
+    assert not torch.allclose(full[2][0], full[1][0], atol=1e-3)  # the steps differ: their positions do
+    with pytest.raises(DraftsmithError, match="P-EAGLE"):
+        DrafterModule(target="unused", kind="eagle3", down_sample_ratio=0.5)
 
 
 def test_detached_steps_read_their_inputs_as_constants():
