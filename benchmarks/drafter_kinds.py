@@ -2,8 +2,9 @@
 
 Six arms train on the embedded default's 800-chat features (runs/smollm2-135m/features-sharegpt-800,
 extracted first when missing): eagle3 (recipes/smollm2-135m/eagle3-cpu.yaml as it is), eagle31 (the same
-with EAGLE-3.1's fc_norm and norm_output), eagle3_lk (the same drafter trained on the hybrid
-acceptance-direct loss alone, no cross-entropy), peagle, dflash and dspark (their -cpu recipes). Every
+with EAGLE-3.1's fc_norm and norm_output), eagle3_lk (the same drafter trained on the log
+acceptance-direct loss −log α alone, no cross-entropy: of the three forms the one that raised the T = 1
+estimate most in 400-step trials, docs/benchmarks.md), peagle, dflash and dspark (their -cpu recipes). Every
 arm gets the same wall time (`--minutes`, default the eagle3-cpu recipe's 20-minute budget): a short
 calibration run times its steps, and its schedule is set to the steps that fit (`--trainer.max_time`
 stops it at the budget either way). Each arm then reports its validation τ̂ (val/tau: the greedy
@@ -45,7 +46,7 @@ ARMS = {  # arm: (recipe, overrides, chain length, has trees)
     "eagle3": (EAGLE3, (), 3, True),
     "eagle31": (EAGLE3, ("--model.init_args.fc_norm", "true", "--model.init_args.norm_output", "true"), 3, True),
     "eagle3_lk": (EAGLE3, ("--model.init_args.ce_weight", "0.0", "--model.init_args.acceptance_weight", "1.0",
-                           "--model.init_args.acceptance_loss", "hybrid"), 3, True),
+                           "--model.init_args.acceptance_loss", "log"), 3, True),
     "peagle": ("recipes/smollm2-135m/peagle-cpu.yaml", (), 4, False),
     "dflash": ("recipes/smollm2-135m/dflash-cpu.yaml", (), 7, False),
     "dspark": ("recipes/smollm2-135m/dspark-cpu.yaml", (), 8, False),
