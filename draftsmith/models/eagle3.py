@@ -150,7 +150,7 @@ class PEagleDrafter(Eagle3Drafter):
     anchors, K − 1 positions read the mask token and `mask_hidden`, a learned stand-in for the fused
     target layers (k·Ht) projected like them; each sees the real anchors before it and the mask
     positions before it, and drafts the token its depth predicts. Trained on the alignment steps with
-    those inputs in place of the drafter's own tokens and outputs (`train/drafter.alignment_hiddens`)."""
+    those inputs in place of the drafter's own tokens and outputs (`train/alignment.alignment_hiddens`)."""
 
     OPTIONS = (*OPTIONS, "mask_token_id")
 

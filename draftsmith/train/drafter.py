@@ -1,10 +1,8 @@
 """LightningModule for feature drafters: EAGLE-1/2, HASS, EAGLE-3 training-time test.
 
 One mechanism covers HASS's harmonized context alignment and EAGLE-3's training-time
-test: step 0 feeds target features; step j feeds the drafter's own step j-1 outputs at the
-same anchors, tokens shifted by j, and attends to step-0 keys causally plus its own chain's
-keys of steps 1..j (`alignment_mask`). Keys accumulate in one buffer, so step j costs one
-pass over T anchors, not j+1 copies of the sequence. Loss at step j is weighted w_j.
+test (`train/alignment.py`): step j feeds the drafter's own step j-1 outputs at the same anchors
+and attends to step-0 keys causally plus its own chain's keys. Loss at step j is weighted w_j.
 
 Data alignment (T tokens x_0..x_{T-1}, target features f_t predict x_{t+1}): anchor t in
 step j reads token x_{t+1+j} and predicts f_{t+1+j} and p_{t+1+j} = softmax(head(f_{t+1+j}));
@@ -15,17 +13,16 @@ Notation: B batch, T anchors, H hidden, V vocab (Vd for EAGLE-3's draft vocab), 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
 
 from draftsmith import DraftsmithError
-from draftsmith.models.common import KVBuffer, alignment_mask, frozen_linear, logit_softcap, soft_cap
+from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
+from draftsmith.train.alignment import alignment_hiddens, cod_positions, shift
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
@@ -46,73 +43,6 @@ def full_head_summary(x: torch.Tensor, weight: torch.Tensor, cap: float | None,
         z = soft_cap(x[a:b].to(weight.dtype) @ weight.T, cap).float()
         top1[a:b], lse[a:b] = z.argmax(-1), torch.logsumexp(z, -1)
     return top1, lse
-
-
-def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
-    """x[:, 1+j : 1+j+length] padded with zeros/False to `length` along dim 1."""
-    y = x[:, 1 + j : 1 + j + length]
-    pad = length - y.shape[1]
-    return y if pad <= 0 else F.pad(y, (0, 0) * (y.dim() - 2) + (0, pad))
-
-
-def cod_positions(anchors: torch.Tensor, steps: int, ratio: float, floor: float,
-                  generator: torch.Generator | None = None) -> list[torch.Tensor | None]:
-    """P-EAGLE's conditional drop-token (COD) sampling: the anchors each parallel step trains.
-
-    Step 0 keeps every anchor (None); step j ≥ 1 keeps S_j = ⌈n · max(ratio^j, floor)⌉ of them (n: the most
-    real anchors of a row), as indices (B, S_j) into the T anchors. Each step keeps a prefix of the
-    step before's (one random order a row, real anchors first), so a kept query at step j finds its own
-    chain's keys of steps 1..j−1 — the condition. Rows with fewer real anchors fill with padding
-    positions, which carry no loss."""
-    b, t = anchors.shape
-    noise = torch.rand(b, t, generator=generator, device="cpu").to(anchors.device)
-    order = torch.where(anchors, noise, noise + 2.0).argsort(-1)  # (B, T): real anchors first
-    real = max(int(anchors.sum(-1).max()), 1)
-    return [None] + [order[:, :min(t, math.ceil(real * max(ratio ** j, floor)))] for j in range(1, steps)]
-
-
-def kept_mask(anchors: torch.Tensor, kept: list[torch.Tensor], step: int) -> torch.Tensor:
-    """`alignment_mask` for the anchors COD sampling kept: step `step`'s queries kept[step] (B, S) over the
-    step-0 keys of every anchor (causal) and the kept keys of steps 1..step (each query its own chain's),
-    (B, 1, S, T + S_1 + … + S_step) bool."""
-    index = kept[step]
-    t, s = anchors.shape[1], index.shape[1]
-    causal = (torch.arange(t, device=index.device)[None, None] <= index[..., None]) & anchors[:, None, :]
-    own = [torch.eye(s, kept[i].shape[1], dtype=torch.bool, device=index.device).expand(len(index), s, -1)
-           for i in range(1, step + 1)]
-    return torch.cat([causal, *own], dim=-1)[:, None]
-
-
-def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor,
-                      steps: int, detach: bool = False, kept: list[torch.Tensor | None] | None = None
-                      ) -> list[torch.Tensor]:
-    """The drafter's hidden output at every anchor for steps 0..steps-1, each (B, T, H).
-
-    ids (B, T+1) tokens, feature (B, T, H) step-0 features at anchors 0..T-1, anchors (B, T)
-    real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs;
-    `detach`: read them as constants, so a later step's loss does not reach back through them.
-    A P-EAGLE drafter's steps j ≥ 1 read its mask inputs instead (`mask_inputs`): the parallel positions
-    it drafts from in one forward, which see what step j of a chain sees. `kept` (`cod_positions`, P-EAGLE
-    only) runs those steps at the kept anchors alone; the others' rows of the output are zeros.
-    """
-    b, t = anchors.shape
-    positions = torch.arange(t, device=ids.device)[None].expand(b, t)
-    cache, hiddens = KVBuffer(), []
-    parallel = hasattr(drafter, "mask_inputs")
-    for j in range(steps):
-        tokens, index = shift(ids, j, t), (kept[j] if kept is not None and parallel else None)
-        if parallel and j > 0:
-            tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
-        elif detach and j > 0:
-            feature = feature.detach()
-        if index is None:
-            out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
-        else:
-            out = drafter(tokens, feature, index + j, kept_mask(anchors, kept, j), cache)  # (B, S_j, H)
-            out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
-        hiddens.append(out)
-        feature = out
-    return hiddens
 
 
 class DrafterModule(WarmupCosineAdamW, pl.LightningModule):

@@ -144,7 +144,7 @@ def test_the_speculators_package_drafts_in_parallel_as_a_trained_peagle_drafter(
     attention mask) gives the logits the trained module's alignment steps give the same positions."""
     import speculators.models.peagle.core as core
 
-    from draftsmith.train.drafter import alignment_hiddens
+    from draftsmith.train.alignment import alignment_hiddens
 
     export(str(peagle_ckpt), "speculators", str(tmp_path / "spec"))
     model = package_drafter(tmp_path / "spec")

@@ -8,7 +8,8 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import KVBuffer, alignment_mask
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, PEagleDrafter
-from draftsmith.train.drafter import DrafterModule, alignment_hiddens, cod_positions
+from draftsmith.train.alignment import alignment_hiddens, cod_positions
+from draftsmith.train.drafter import DrafterModule
 from tests.conftest import make_llama
 
 V, H = 50, 32
