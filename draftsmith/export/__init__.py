@@ -137,7 +137,7 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
     with torch.no_grad():
         a = reference.logits(reference(ids, reference.project(feats, feats), positions, causal))
         c = drafter.logits(drafter(ids, drafter.project(feats, feats), positions, causal))
-        if hasattr(reference, "mask_inputs"):  # P-EAGLE: its parallel positions' input too
+        if kind.parallel:  # P-EAGLE: its parallel positions' input too
             a, c = torch.cat([a.flatten(), reference.mask_inputs(1, 1)[1].flatten()]), \
                 torch.cat([c.flatten(), drafter.mask_inputs(1, 1)[1].flatten()])
     return _compare(a, c, atol, out)

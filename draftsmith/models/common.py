@@ -225,19 +225,25 @@ class KVBuffer:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-def alignment_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
-    """Attention of alignment step `step` over the keys of steps 0..step, (B, 1, T, (step+1)*T) bool.
+def alignment_mask(valid: torch.Tensor, step: int, kept: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Attention of alignment step `step` over the keys of steps 0..step, (B, 1, Q, T + K_1 + … + K_step) bool.
 
     The query at anchor t in step j stands for the (j+1)-th drafted token after a real
     prefix ending at t. It sees step-0 keys (made from target features) at positions
-    s <= t, and its own chain's keys of steps 1..j at anchor t (the diagonal of each
-    block): exactly the context it has at decoding time. `valid` (B, T) marks real tokens.
+    s <= t, and its own chain's keys of steps 1..j at anchor t: exactly the context it has at
+    decoding time. `valid` (B, T) marks real tokens. Every step runs at every anchor (Q = K_i = T,
+    the own-chain blocks diagonal) unless `kept` (P-EAGLE's COD sampling, `train.alignment.cod_positions`)
+    gives the anchors each step i ≥ 1 ran at, (B, K_i) indices, each a prefix of the one before: the
+    queries are then kept[step], and the own chain's key of step i is the same row of kept[i].
     """
     b, t = valid.shape
-    idx = torch.arange(t, device=valid.device)
-    causal = (idx[None, :] <= idx[:, None])[None] & valid[:, None, :]  # (B, T, T)
-    diag = torch.eye(t, dtype=torch.bool, device=valid.device).expand(b, t, t)
-    return torch.cat([causal] + [diag] * step, dim=-1)[:, None]
+    every = torch.arange(t, device=valid.device).expand(b, t)
+    ran = [every] * (step + 1) if kept is None else [every] + [kept[i] for i in range(1, step + 1)]
+    query = ran[step]
+    causal = (torch.arange(t, device=valid.device)[None, None] <= query[..., None]) & valid[:, None, :]  # (B, Q, T)
+    own = [torch.eye(query.shape[1], keys.shape[1], dtype=torch.bool, device=valid.device).expand(b, -1, -1)
+           for keys in ran[1:]]
+    return torch.cat([causal, *own], dim=-1)[:, None]
 
 
 @functools.cache

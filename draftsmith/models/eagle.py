@@ -22,6 +22,8 @@ from draftsmith.models.common import (cache_kwargs, drafter_config, layer_classe
 
 
 class EagleDrafter(nn.Module):
+    parallel = False  # drafts a token a forward (see PEagleDrafter)
+
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
         self.config = drafter_config(target_config)

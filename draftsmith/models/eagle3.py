@@ -57,6 +57,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     OPTIONS = OPTIONS
+    parallel = False  # drafts a token a forward (see PEagleDrafter)
 
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int,
@@ -153,6 +154,7 @@ class PEagleDrafter(Eagle3Drafter):
     those inputs in place of the drafter's own tokens and outputs (`train/alignment.alignment_hiddens`)."""
 
     OPTIONS = (*OPTIONS, "mask_token_id")
+    parallel = True  # its steps after the first read `mask_inputs` and run in one forward
 
     def __init__(self, *args: Any, mask_token_id: int = 0, **options: bool):
         super().__init__(*args, **options)

@@ -49,8 +49,6 @@ class DrafterKind:
             stored with its exports as `drafter_options`.
         blocks: it drafts a whole block in one forward (DFlash, DSpark), decoded by `runtime/block.py`'s
             proposer, rather than a token per forward.
-        parallel: an EAGLE-3 drafter whose steps after the first read mask inputs and run in one forward
-            (P-EAGLE): training may keep a sample of their positions (COD sampling, `down_sample_ratio`).
     """
 
     name: str
@@ -67,7 +65,13 @@ class DrafterKind:
     speculators_architecture: str | None = None
     options: tuple[str, ...] = ()
     blocks: bool = False
-    parallel: bool = False
+
+    @property
+    def parallel(self) -> bool:
+        """Its drafter's steps after the first read mask inputs and run in one forward (P-EAGLE): what the
+        model class declares (`parallel`). Training may then keep a sample of their positions (COD
+        sampling, `down_sample_ratio`)."""
+        return bool(getattr(self.model_class, "parallel", False))
 
     @property
     def model_class(self) -> Any:
@@ -126,8 +130,7 @@ PEAGLE = DrafterKind(
     name="peagle", title="a P-EAGLE drafter", model="draftsmith.models.eagle3:PEagleDrafter",
     trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "speculators"),
     frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True, speculators_algorithm="peagle",
-    speculators_architecture="PEagleSpeculator", options=("fc_norm", "norm_before_fc", "norm_output", "mask_token_id"),
-    parallel=True)
+    speculators_architecture="PEagleSpeculator", options=("fc_norm", "norm_before_fc", "norm_output", "mask_token_id"))
 _BLOCK_OPTIONS = ("block_size", "draft_layers", "mask_token_id", "markov_rank", "confidence_head")
 DFLASH = DrafterKind(
     name="dflash", title="a DFlash block drafter", model="draftsmith.models.block:BlockDrafter",

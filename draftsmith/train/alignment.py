@@ -12,6 +12,7 @@ Notation: B batch, T anchors, H hidden, S_j the anchors step j keeps.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,36 +27,33 @@ def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
     return y if pad <= 0 else F.pad(y, (0, 0) * (y.dim() - 2) + (0, pad))
 
 
+class Kept(NamedTuple):
+    """The anchors each alignment step runs at under COD sampling: index[j] (B, S_j) into the T anchors and
+    mask[j] (B, T) the same as a mask; None at step 0, which runs at every anchor."""
+
+    index: list[torch.Tensor | None]
+    mask: list[torch.Tensor | None]
+
+
 def cod_positions(anchors: torch.Tensor, steps: int, ratio: float, floor: float,
-                  generator: torch.Generator | None = None) -> list[torch.Tensor | None]:
+                  generator: torch.Generator | None = None) -> Kept:
     """P-EAGLE's conditional drop-token (COD) sampling: the anchors each parallel step trains.
 
-    Step 0 keeps every anchor (None); step j ≥ 1 keeps S_j = ⌈n · max(ratio^j, floor)⌉ of them (n: the most
-    real anchors of a row), as indices (B, S_j) into the T anchors. Each step keeps a prefix of the
-    step before's (one random order a row, real anchors first), so a kept query at step j finds its own
-    chain's keys of steps 1..j−1 — the condition. Rows with fewer real anchors fill with padding
-    positions, which carry no loss."""
+    Step 0 keeps every anchor; step j ≥ 1 keeps S_j = ⌈n · max(ratio^j, floor)⌉ of them (n: the most real
+    anchors of a row). Each step keeps a prefix of the step before's (one random order a row, real anchors
+    first), so a kept query at step j finds its own chain's keys of steps 1..j−1 — the condition
+    (`models.common.alignment_mask` with `kept`). Rows with fewer real anchors fill with padding positions,
+    which carry no loss."""
     b, t = anchors.shape
     noise = torch.rand(b, t, generator=generator, device="cpu").to(anchors.device)
     order = torch.where(anchors, noise, noise + 2.0).argsort(-1)  # (B, T): real anchors first
     real = max(int(anchors.sum(-1).max()), 1)
-    return [None] + [order[:, :min(t, math.ceil(real * max(ratio ** j, floor)))] for j in range(1, steps)]
-
-
-def kept_mask(anchors: torch.Tensor, kept: list[torch.Tensor], step: int) -> torch.Tensor:
-    """`alignment_mask` for the anchors COD sampling kept: step `step`'s queries kept[step] (B, S) over the
-    step-0 keys of every anchor (causal) and the kept keys of steps 1..step (each query its own chain's),
-    (B, 1, S, T + S_1 + … + S_step) bool."""
-    index = kept[step]
-    t, s = anchors.shape[1], index.shape[1]
-    causal = (torch.arange(t, device=index.device)[None, None] <= index[..., None]) & anchors[:, None, :]
-    own = [torch.eye(s, kept[i].shape[1], dtype=torch.bool, device=index.device).expand(len(index), s, -1)
-           for i in range(1, step + 1)]
-    return torch.cat([causal, *own], dim=-1)[:, None]
+    index = [None] + [order[:, :min(t, math.ceil(real * max(ratio ** j, floor)))] for j in range(1, steps)]
+    return Kept(index, [None] + [torch.zeros_like(anchors).scatter(1, i, True) for i in index[1:]])
 
 
 def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torch.Tensor, anchors: torch.Tensor,
-                      steps: int, detach: bool = False, kept: list[torch.Tensor | None] | None = None
+                      steps: int, detach: bool = False, kept: Kept | None = None
                       ) -> list[torch.Tensor]:
     """The drafter's hidden output at every anchor for steps 0..steps-1, each (B, T, H).
 
@@ -69,9 +67,9 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     b, t = anchors.shape
     positions = torch.arange(t, device=ids.device)[None].expand(b, t)
     cache, hiddens = KVBuffer(), []
-    parallel = hasattr(drafter, "mask_inputs")
+    parallel = drafter.parallel
     for j in range(steps):
-        tokens, index = shift(ids, j, t), (kept[j] if kept is not None and parallel else None)
+        tokens, index = shift(ids, j, t), (kept.index[j] if kept is not None and parallel else None)
         if parallel and j > 0:
             tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
         elif detach and j > 0:
@@ -79,7 +77,7 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
         if index is None:
             out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
         else:
-            out = drafter(tokens, feature, index + j, kept_mask(anchors, kept, j), cache)  # (B, S_j, H)
+            out = drafter(tokens, feature, index + j, alignment_mask(anchors, j, kept.index), cache)  # (B, S_j, H)
             out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
         hiddens.append(out)
         feature = out

@@ -290,8 +290,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         total, parts = 0.0, {}
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)
-            if kept is not None and kept[j] is not None:  # COD sampling: the anchors step j ran at
-                sel = sel & torch.zeros_like(sel).scatter(1, kept[j], True)
+            if kept is not None and kept.mask[j] is not None:  # COD sampling: the anchors step j ran at
+                sel = sel & kept.mask[j]
             if not sel.any():
                 continue
             rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)

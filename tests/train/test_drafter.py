@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from draftsmith import DraftsmithError
-
 from draftsmith.models.common import KVBuffer, alignment_mask
 from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, PEagleDrafter
@@ -33,6 +32,13 @@ def test_alignment_mask_pattern():
         [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
         [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
         [1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1],
+    ]
+    # COD sampling: step 1 ran at anchors 2, 0, 3 and step 2 at 2, 0 (a prefix); step 2's queries are
+    # anchors 2 and 0, each seeing its own chain's key of step 1 (rows 0 and 1 of step 1's keys)
+    kept = [None, torch.tensor([[2, 0, 3]]), torch.tensor([[2, 0]])]
+    assert alignment_mask(valid, 2, kept)[0, 0].int().tolist() == [
+        [1, 1, 1, 0, 1, 0, 0, 1, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0, 1],
     ]
 
 
@@ -89,10 +95,13 @@ def test_cod_sampling_runs_the_kept_anchors_exactly_as_the_full_pass():
     valid[1, 9:] = False
     anchors = valid[:, :-1]
     kept = cod_positions(anchors, steps, 0.7, 0.2, torch.Generator().manual_seed(0))
-    assert kept[0] is None and [k.shape[1] for k in kept[1:]] == [math.ceil(12 * r) for r in (0.7, 0.49, 0.343)]
-    for longer, shorter in zip(kept[1:], kept[2:]):
+    index = kept.index
+    assert index[0] is None and [k.shape[1] for k in index[1:]] == [math.ceil(12 * r) for r in (0.7, 0.49, 0.343)]
+    for longer, shorter in zip(index[1:], index[2:]):
         assert torch.equal(shorter, longer[:, :shorter.shape[1]])  # each step keeps a prefix of the one before
-    assert sorted(kept[1][1].tolist()) == list(range(9))  # row 1's nine real anchors come first
+    assert sorted(index[1][1].tolist()) == list(range(9))  # row 1's nine real anchors come first
+    for i, m in zip(index[1:], kept.mask[1:]):
+        assert m.sum().item() == i.numel() and bool(m.gather(1, i).all())
     with torch.no_grad():
         feature = drafter.project(final[:, :-1], aux[:, :-1])
         full = alignment_hiddens(drafter, ids, feature, anchors, steps)
@@ -100,7 +109,7 @@ def test_cod_sampling_runs_the_kept_anchors_exactly_as_the_full_pass():
     torch.testing.assert_close(cod[0], full[0])
     for j in range(1, steps):
         for row in range(2):
-            index = kept[j][row]
+            index = kept.index[j][row]
             torch.testing.assert_close(cod[j][row, index], full[j][row, index], atol=2e-5, rtol=1e-4)
             dropped = torch.ones(t_len, dtype=torch.bool).index_fill(0, index, False)
             assert cod[j][row, dropped].abs().sum() == 0
