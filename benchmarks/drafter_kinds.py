@@ -13,8 +13,9 @@ chain of its trained length, or its block) and decodes the same MT-bench first t
 
 - greedy and T = 1 chains at the kind's length (eagle3 family 3, P-EAGLE 4, DFlash 7, DSpark 8), greedy
   chains sized by measured cost up to that length (`eval`'s default policy: a kind whose later tokens are
-  rarely accepted verifies fewer), and greedy EAGLE-2 trees within `--tree`, sized by cost as well, for
-  the kinds that have them;
+  rarely accepted verifies fewer), and greedy trees within `--tree`, sized by cost as well (EAGLE-2's
+  for the eagle3 family; P-EAGLE's and the block drafters' grown from their one forward, P-EAGLE's no
+  deeper than the 4 steps it trains, a block's no deeper than its slots);
 - DSpark also with its confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on
   held-out chats (never the benchmark's prompts);
 - autoregressive decoding of the same prompts before and after the arms (their mean is the baseline).
@@ -36,20 +37,21 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from harness import kept_arm, machine, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
-ARMS = {  # arm: (recipe, overrides, chain length, has trees)
-    "eagle3": (EAGLE3, (), 3, True),
-    "eagle31": (EAGLE3, ("--model.init_args.fc_norm", "true", "--model.init_args.norm_output", "true"), 3, True),
+ARMS = {  # arm: (recipe, overrides, chain length, deepest tree: None for --tree's depth)
+    "eagle3": (EAGLE3, (), 3, None),
+    "eagle31": (EAGLE3, ("--model.init_args.fc_norm", "true", "--model.init_args.norm_output", "true"), 3, None),
     "eagle3_lk": (EAGLE3, ("--model.init_args.ce_weight", "0.0", "--model.init_args.acceptance_weight", "1.0",
-                           "--model.init_args.acceptance_loss", "log"), 3, True),
-    "peagle": ("recipes/smollm2-135m/peagle-cpu.yaml", (), 4, False),
-    "dflash": ("recipes/smollm2-135m/dflash-cpu.yaml", (), 7, False),
-    "dspark": ("recipes/smollm2-135m/dspark-cpu.yaml", (), 8, False),
+                           "--model.init_args.acceptance_loss", "log"), 3, None),
+    "peagle": ("recipes/smollm2-135m/peagle-cpu.yaml", (), 4, 4),
+    "dflash": ("recipes/smollm2-135m/dflash-cpu.yaml", (), 7, None),
+    "dspark": ("recipes/smollm2-135m/dspark-cpu.yaml", (), 8, None),
 }
 
 
@@ -183,7 +185,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for name in arms:
         module, info = trained[name]
-        _, _, k, trees = ARMS[name]
+        _, _, k, deepest = ARMS[name]
         drafter = copy.deepcopy(module.drafter).to(dtype=target.dtype).eval()
         make = lambda: feature_proposer(module.kind, drafter, target.vocab_size, module.aux_layer_ids)  # noqa: E731
         runner = TargetRunner(target.model, module.aux_layer_ids)
@@ -192,9 +194,9 @@ def main() -> None:
                "chain_t1": decode(runner, make(), prompts, lambda: Static(k), t1, eos)}
         chain_meter = CostMeter()  # chains sized by cost, one meter for the arm's prompts, as `eval` shares one
         row["chain_cost"] = decode(runner, make(), prompts, lambda: CostAware(k=k, meter=chain_meter), greedy, eos)
-        if trees:
-            shape, tree_meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
-            row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=tree_meter), greedy, eos, tree=shape)
+        shape, tree_meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
+        shape = replace(shape, depth=min(shape.depth, deepest or shape.depth))
+        row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=tree_meter), greedy, eos, tree=shape)
         if name == "dspark":  # its confidence policy, the threshold tuned on held-out chats
             native = out / name / "native"
             export(str(out / name / "trained.ckpt"), "native", str(native))

@@ -53,7 +53,7 @@ def test_dspark_confidence_policy_is_tuned_and_read_back(dspark_ckpt, tiny_featu
     assert f"threshold {section['threshold']:g}" in result["config"]["drafter"]
 
 
-def test_block_drafters_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, tmp_path):
+def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, tmp_path):
     from draftsmith.models.block import BlockDrafter
     from draftsmith.train.block import BlockDrafterModule
 
@@ -61,8 +61,9 @@ def test_block_drafters_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, t
     assert refused.returncode != 0 and "this is a DFlash block drafter: use --format speculators" in refused.stderr
     assert run_cli("export", str(dflash_ckpt), "--format", "native", "--out", str(tmp_path / "d")).returncode == 0
     tree = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"), "--limit", "1",
-                   "--max_new_tokens", "8", "--tree", "3,2,6", "--policy", "static", "--out", str(tmp_path / "e"))
-    assert tree.returncode != 0 and "drafts chains: drop --tree" in tree.stderr
+                   "--max_new_tokens", "8", "--tree", "3,2,6", "--dtype", "float32", "--out", str(tmp_path / "tree"))
+    assert tree.returncode == 0, tree.stderr[-3000:]
+    assert json.loads((tmp_path / "tree" / "results.json").read_text())["identical_outputs"] is True
     no_head = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"), "--limit", "1",
                       "--max_new_tokens", "8", "--policy", "dspark", "--out", str(tmp_path / "e"))
     assert no_head.returncode != 0 and "confidence head" in no_head.stderr

@@ -25,5 +25,6 @@ def test_a_peagle_drafter_exports_and_decodes_the_targets_text(peagle_ckpt, tiny
     result = run_cli("eval", *common, "--policy", "static", "--k", "4", "--out", str(tmp_path / "eval"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "eval" / "results.json").read_text())["identical_outputs"] is True
-    tree = run_cli("eval", *common, "--tree", "3,2,6", "--policy", "static", "--out", str(tmp_path / "tree"))
-    assert tree.returncode != 0 and "drafts chains: drop --tree" in tree.stderr
+    tree = run_cli("eval", *common, "--tree", "3,2,6", "--out", str(tmp_path / "tree"))  # trees sized by cost
+    assert tree.returncode == 0, tree.stderr[-3000:]
+    assert json.loads((tmp_path / "tree" / "results.json").read_text())["identical_outputs"] is True

@@ -101,7 +101,7 @@ def label_chat(runner: Any, proposer: Any, ids: list[int], positions: list[int],
     import torch
 
     from draftsmith.models.heads import distribution_summary
-    from draftsmith.runtime.proposers import feed_chains
+    from draftsmith.runtime.chains import feed_chains
     from draftsmith.runtime.sampling import sample
 
     n = len(positions)

@@ -7,20 +7,23 @@ and draws the drafted tokens from its slots in order: each slot's law is fixed b
 (DFlash), or also by the token drawn before it through DSpark's Markov bias. Each drafted token is
 drawn from the distribution returned with it, so verification (a chain) is lossless as for any
 proposer. A policy is asked before each token (`DraftStep.confidence`: DSpark's predicted chance that
-the next token is accepted, read by the `dspark` policy).
+the next token is accepted, read by the `dspark` policy). Trees: `propose_tree` grows an EAGLE-2-shaped
+tree from the same one forward, each slot's top tokens under the best nodes of the slot before.
 
 Notation: B block size, D tokens a block drafts (B − 1 or B), T context positions, H hidden, V vocab.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from draftsmith.runtime.proposers import Draft, _empty, _in_target_vocab
+from draftsmith.runtime.proposers import Draft, Expand, _empty, _in_target_vocab
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.steps import DraftStep, Policy
+from draftsmith.runtime.tree import DraftTree, TreeShape, slot_tree
 
 
 class ContextCache:
@@ -112,6 +115,21 @@ class BlockProposer:
             scaled.append(s)
             raw.append(r)
         return tokens, torch.stack(scaled), torch.stack(raw)
+
+    @torch.no_grad()
+    def propose_tree(self, shape: TreeShape, expand: Expand | None = None) -> DraftTree:
+        """A tree from one block forward (`slot_tree`): slot j's law gives depth j + 1's children, DSpark's
+        biased by each parent through its Markov head. `expand` is not asked: every level comes from the
+        one forward, so only the nodes kept cost anything (the plan's `keep` sizes the tree)."""
+        drafter = self.drafter
+        shape = replace(shape, depth=min(shape.depth, drafter.drafts_per_block))
+        base = drafter.logits(self.block(self.pending)[drafter.first_slot:]).float()  # (D, Vd)
+
+        def law(j: int, parents: torch.Tensor) -> torch.Tensor:  # (m, Vd): slot j's log-law after each parent
+            bias = drafter.markov(parents)[0]
+            return torch.log_softmax(base[j].expand(len(parents), -1) if bias is None else base[j] + bias.float(), -1)
+
+        return slot_tree(law(0, torch.tensor([self.pending], device=base.device))[0], law, shape, self.to_target)
 
     def _slot(self, hidden: torch.Tensor, prev: int) -> tuple[torch.Tensor | None, float | None]:
         """DSpark's Markov bias (Vd,) for a slot from the token before it, and the slot's confidence (the

@@ -135,12 +135,12 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
              tree: TreeShape | None = None) -> GenerationResult:
     """Speculative decoding of up to `max_new_tokens` after `prompt`; returns tokens and per-round stats.
 
-    With `tree`, each round drafts an EAGLE-2 dynamic tree (feature drafters only) instead of
+    With `tree`, each round drafts an EAGLE-2 dynamic tree (feature and block drafters) instead of
     asking `policy` for a chain; the policy's plan of each tree round (cost, specdec, disco) decides
     how deep it goes, any other drafts the full shape. Deferral rules (`rule`) apply to chain drafts.
     """
-    if tree is not None and not (isinstance(proposer, TreeProposer) and getattr(proposer, "trees", True)):
-        raise DraftsmithError(f"tree drafting needs an EAGLE/HASS/EAGLE-3 drafter; {type(proposer).__name__} drafts "
+    if tree is not None and not isinstance(proposer, TreeProposer):
+        raise DraftsmithError(f"tree drafting needs a feature or block drafter; {type(proposer).__name__} drafts "
                               "chains: drop --tree")
     if tree is not None and rule is not None:
         raise DraftsmithError("deferral rules (lossy verification, cascades) run on chain drafts; drop --tree")

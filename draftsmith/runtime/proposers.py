@@ -14,12 +14,13 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from draftsmith.models.common import KVBuffer, additive_mask, cache_kwargs, grouped_query_sdpa
+from draftsmith.models.common import KVBuffer, grouped_query_sdpa
 from draftsmith.runtime.cache import KVSlab
+from draftsmith.runtime.chains import Pick, chain_mask
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
 from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
-from draftsmith.runtime.tree import DraftTree, TreeLevels, TreeShape
+from draftsmith.runtime.tree import DraftTree, TreeLevels, TreeShape, slot_tree
 
 Draft = tuple[list[int], torch.Tensor, torch.Tensor]  # tokens, q_scaled (K, V), q_raw (K, V)
 
@@ -74,57 +75,6 @@ def _in_target_vocab(probs: torch.Tensor, ids: torch.Tensor | None, vocab_size: 
     return out.index_copy(probs.dim() - 1, ids, probs)
 
 
-# Chains drafted after every anchor of a known sequence at once (labels for stop heads):
-# pick(d, q_raw (n, V), hidden (n, H)) → the n tokens drafted at depth d, given the distributions they are
-# drawn from and the hidden states that produced them (what a policy's DraftStep holds at position d)
-Pick = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def chain_mask(anchors: torch.Tensor, prefix: int, fed: int) -> torch.Tensor:
-    """Which keys the n chains' newest tokens see, (n, prefix + n·fed) bool, when `fed` tokens of every
-    chain follow a prefix block of `prefix` keys: chain a (anchored after prefix key anchors[a]) sees
-    prefix keys up to its anchor and its own tokens, which sit at prefix + n·(e−1) + a for e = 1..fed."""
-    n = len(anchors)
-    allowed = torch.zeros(n, prefix + n * fed, dtype=torch.bool, device=anchors.device)
-    allowed[:, :prefix] = torch.arange(prefix, device=anchors.device)[None] <= anchors[:, None]
-    rows = torch.arange(n, device=anchors.device)
-    for e in range(fed):
-        allowed[rows, prefix + n * e + rows] = True
-    return allowed
-
-
-def feed_chains(decoder: Any, cache: Any, tokens: torch.Tensor, anchors: torch.Tensor, prefix: int, fed: int,
-                gqa: bool = False) -> torch.Tensor:
-    """Feed token number `fed` of every chain (n,) to a transformers decoder whose `cache` holds the
-    prefix (`prefix` keys) and the chains' earlier tokens; returns its last hidden states (n, H)."""
-    device = anchors.device
-    allowed = chain_mask(anchors, prefix, fed)
-    dtype = next(decoder.parameters()).dtype
-    mask = additive_mask(allowed, dtype)
-    with grouped_query_sdpa(gqa):
-        return decoder(input_ids=tokens[None].to(device), position_ids=(anchors + fed)[None], attention_mask=mask[None, None],
-                       use_cache=True, **cache_kwargs(decoder, cache)).last_hidden_state[0]
-
-
-@torch.no_grad()
-def causal_lm_chains(decoder: Any, head: Callable[[torch.Tensor], torch.Tensor], ids: list[int], anchors: list[int],
-                     depth: int, pick: Pick, config: Any, gqa: bool = False) -> None:
-    """Draft `depth` tokens after every anchor t of `ids` (the sequence ids[:t+1]) through a transformers
-    decoder and its head, one forward per depth for all chains: the same distributions as depth
-    sequential drafting steps after each prefix. `head` maps hidden states to draft logits."""
-    from transformers import DynamicCache
-
-    device = next(decoder.parameters()).device
-    cache = DynamicCache(config=config)
-    at = torch.tensor(anchors, device=device)
-    hidden = decoder(input_ids=torch.tensor([ids], device=device), use_cache=True,
-                     **cache_kwargs(decoder, cache)).last_hidden_state[0, at]  # (n, H)
-    for d in range(1, depth + 1):
-        tokens = pick(d, torch.softmax(head(hidden).float(), dim=-1), hidden)
-        if d < depth:
-            hidden = feed_chains(decoder, cache, tokens, at, len(ids), d, gqa)
-
-
 class NoProposer:
     """Plain autoregressive decoding: nothing is drafted."""
 
@@ -162,8 +112,7 @@ class FeatureProposer:
         self.to_target = drafter.draft_to_target  # None: the drafter speaks the full vocabulary
         self.draftable = self.to_target  # target ids it can draft (None: any)
         self.gqa = drafter.fc.weight.device.type == "cpu"  # see grouped_query_sdpa
-        self.parallel = hasattr(drafter, "mask_inputs")  # P-EAGLE: tokens 2..K from one forward on mask inputs
-        self.trees = not self.parallel  # EAGLE-2 trees feed each level the drafter's own outputs
+        self.parallel = drafter.parallel  # P-EAGLE: tokens 2..K from one forward on mask inputs
         self.graphs = None  # DrafterGraphs once enable_graphs is called
         self.reset()
 
@@ -288,13 +237,7 @@ class FeatureProposer:
         step = DraftStep(0, hidden=hidden[0], committed=committed)
         while len(tokens) < k and policy.keep_going(step):
             if len(tokens) == 1:  # the rest of the draft, in one forward
-                m = k - 1
-                inputs = self.drafter.mask_inputs(1, m)
-                positions = self.anchors + torch.arange(m, device=hidden.device)[None]
-                with grouped_query_sdpa(self.gqa and m > 1):
-                    rest = self.forward(*inputs, positions, self._after_anchors(m, hidden.device), self.cache)[0]
-                self.forwards += 1
-                hidden = torch.cat([hidden, rest])
+                hidden = self._parallel_states(k)
             r, s = self._next(hidden[len(tokens)][None, None], sampling)
             x = int(s.argmax()) if sampling.greedy else int(sample(s, generator))
             tokens.append(x)
@@ -304,6 +247,19 @@ class FeatureProposer:
         if not tokens:
             return _empty(self.vocab_size)
         return tokens, torch.stack(scaled), torch.stack(raw)
+
+    def _parallel_states(self, k: int) -> torch.Tensor:
+        """P-EAGLE: the states (k, H) that draft tokens 1..k — the last anchor's, then those of one forward over
+        k − 1 mask positions after the anchors (their keys go to the buffer; `observe` crops them away)."""
+        hidden = self.hidden[0]  # (1, H)
+        if k > 1:
+            inputs, m = self.drafter.mask_inputs(1, k - 1), k - 1
+            positions = self.anchors + torch.arange(m, device=hidden.device)[None]
+            with grouped_query_sdpa(self.gqa and m > 1):
+                rest = self.forward(*inputs, positions, self._after_anchors(m, hidden.device), self.cache)[0]
+            self.forwards += 1
+            hidden = torch.cat([hidden, rest])
+        return hidden
 
     def _next(self, hidden: torch.Tensor, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw and scaled distributions (V,) over the target's vocabulary that the state (1, 1, H) gives
@@ -345,7 +301,14 @@ class FeatureProposer:
         The tree is built on the drafter's device: candidates, scores and which expanded nodes are
         each candidate's ancestors are tensors, so no level waits for the host; only `expand` reads
         values. With graphs enabled and no `expand`, the whole tree is drafted at fixed shapes, and on
-        a GPU recorded once per tree shape and replayed as one CUDA graph (DrafterGraphs.fixed)."""
+        a GPU recorded once per tree shape and replayed as one CUDA graph (DrafterGraphs.fixed).
+
+        P-EAGLE draws every level from one forward (`_parallel_states`, `slot_tree`): its later tokens do not
+        read the tokens before them, so every node of a level has the same children's law, and `expand` is
+        not asked (a level costs nothing; the plan's `keep` sizes the tree)."""
+        if self.parallel:
+            logp = self._tree_logp(self._parallel_states(shape.depth))  # (depth, V or Vd)
+            return slot_tree(logp[0], lambda j, parents: logp[j].expand(len(parents), -1), shape, self.to_target)
         if self.graphs is not None and expand is None:
             def fixed_levels(anchors: torch.Tensor, root: torch.Tensor) -> tuple[tuple[DraftTree, int], int]:
                 def level(tokens, hidden, seen, expanded, depth):

@@ -14,7 +14,8 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import cache_kwargs
 from draftsmith.runtime.cache import decoding_cache
 from draftsmith.runtime.kernels import PackedLinears, under_packed_linears
-from draftsmith.runtime.proposers import Draft, Pick, _empty, _in_target_vocab, causal_lm_chains
+from draftsmith.runtime.chains import Pick, causal_lm_chains
+from draftsmith.runtime.proposers import Draft, _empty, _in_target_vocab
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.steps import DraftStep, Policy
 

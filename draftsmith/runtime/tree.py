@@ -7,6 +7,8 @@ one drafter forward, each into its top-k children. After `depth` levels the `tot
 best nodes of everything drafted are kept (reranking); a child never scores above its parent,
 so the kept set is closed under ancestors. `TreeLevels` holds the candidates as tensors on the
 drafter's device and `select_tree` reranks them there, so drafting a tree reads nothing back.
+Drafters that give every depth's law from one forward (P-EAGLE, block drafters) build the same
+levels without a forward each (`slot_tree`).
 
 Prompt lookup (`TreeShape.lookup`, as transformers' `prompt_lookup_num_tokens` and Saxena's prompt
 lookup decoding): the tokens that followed the latest earlier occurrence of the sequence's
@@ -27,6 +29,7 @@ Notation: n tree nodes (the root excluded), S cached target positions, V vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -192,6 +195,30 @@ def prune(tree: DraftTree, n: int) -> DraftTree:
     if n >= len(tree):
         return tree
     return select_tree(tree.tokens, tree.parents, tree.scores, tree.depth, n)
+
+
+def slot_tree(first: torch.Tensor, later: Callable[[int, torch.Tensor], torch.Tensor], shape: TreeShape,
+              to_target: torch.Tensor | None) -> DraftTree:
+    """A tree from a drafter that gives every depth's law without a forward per level (P-EAGLE, DFlash and
+    DSpark draft a block in one forward). `first` (V,): the log-law of the root's children; `later(j,
+    parents)`: the log-laws (m, V) of depth j + 1's children of m parents at depth j (their target ids
+    (m,)) — one row repeated where a slot's law does not read the token before it (P-EAGLE, DFlash),
+    DSpark's Markov bias from each parent. Levels are chosen as EAGLE-2's (the `topk` best frontier nodes
+    get their `topk` best children), then the `total_tokens` best nodes are kept (`select_tree`)."""
+    ids = (lambda i: i) if to_target is None else (lambda i: to_target[i])
+    top = first.topk(min(shape.topk, first.shape[-1]))
+    k, device = top.indices.shape[0], first.device
+    tokens, scores, parents = [ids(top.indices)], [top.values.clamp(max=0)], [torch.full((k,), -1, dtype=torch.long, device=device)]
+    start = 0  # candidate index of the newest level's first node
+    for depth in range(2, shape.depth + 1):
+        order = torch.sort(scores[-1], descending=True, stable=True).indices[: shape.topk]
+        top = later(depth - 1, tokens[-1][order]).topk(k)
+        tokens.append(ids(top.indices).reshape(-1))
+        scores.append((scores[-1][order][:, None] + top.values.clamp(max=0)).reshape(-1))  # a child ≤ its parent
+        parents.append((start + order).repeat_interleave(k))
+        start += tokens[-2].shape[0]
+    depths = torch.cat([torch.full_like(t, d) for d, t in enumerate(tokens, 1)])
+    return select_tree(torch.cat(tokens), torch.cat(parents), torch.cat(scores), depths, shape.total_tokens)
 
 
 @dataclass

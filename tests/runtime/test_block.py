@@ -1,5 +1,6 @@
 """The block proposer (DFlash, DSpark): the target's own greedy text, the target's exact law when
-sampling (with a fixed block and with DSpark's confidence policy), and the block layout's attention."""
+sampling (with a fixed block, with DSpark's confidence policy, and as trees, P-EAGLE's too), and the block
+layout's attention."""
 
 from collections import Counter
 
@@ -8,13 +9,15 @@ import torch
 
 from draftsmith import DraftsmithError
 from draftsmith.models.block import BlockDrafter, DSparkDrafter, block_attention
+from draftsmith.models.eagle3 import PEagleDrafter
 from draftsmith.runtime.block import BlockProposer
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.policies import BlockConfidence, Static
+from draftsmith.runtime.proposers import FeatureProposer
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.sampling import SamplingConfig
 from draftsmith.runtime.steps import DraftStep
-from draftsmith.runtime.tree import TreeShape
+from draftsmith.runtime.tree import TreeShape, slot_tree
 from draftsmith.train.block import block_layout, draw_anchors
 from tests.conftest import make_llama
 from tests.runtime.conftest import V, greedy_cases
@@ -79,9 +82,6 @@ def test_sampling_is_lossless(kind, policy):
 def test_parallel_eagle_sampling_is_lossless():
     """P-EAGLE: tokens 2..K drawn from one forward over mask positions (laws fixed before any draw); four
     tokens, so that a round after the first drafts two of them."""
-    from draftsmith.models.eagle3 import PEagleDrafter
-    from draftsmith.runtime.proposers import FeatureProposer
-
     tv, length, n = 3, 4, 3000
     target = make_llama(tv, seed=3, hidden=16, layers=1)
     cfg = SamplingConfig(temperature=1.0)
@@ -108,10 +108,94 @@ def test_the_confidence_policy_cuts_the_block_where_the_product_falls():
         policy.keep_going(DraftStep(0))
 
 
-def test_a_block_drafter_refuses_trees(target):
-    proposer = BlockProposer(block_drafter(target, "dflash", V, 3), V, [0, 1, 2])
-    with pytest.raises(DraftsmithError, match="chains"):
-        generate(TargetRunner(target, [0, 1, 2]), proposer, [1, 2, 3], 8, Static(3), tree=TreeShape.parse("3,2,6"))
+def test_a_slot_tree_keeps_each_levels_best_children():
+    """Depth 1 from `first`; depth 2 from `later` under the best depth-1 nodes (asked with their target ids),
+    then the best nodes kept: a tie goes to the shallower node."""
+    to_target, asked = torch.tensor([10, 11, 12]), []
+    first = torch.tensor([0.5, 0.3, 0.2]).log()
+
+    def same(j, parents):  # P-EAGLE, DFlash: one law for every parent
+        asked.append(parents.tolist())
+        return torch.tensor([0.6, 0.4, 1e-9]).log().expand(len(parents), -1)
+
+    tree = slot_tree(first, same, TreeShape(2, 2, 3), to_target)
+    assert asked == [[10, 11]]
+    assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()) == ([10, 11, 10], [-1, -1, 0], [1, 1, 2])
+
+    def markov(j, parents):  # DSpark: the law depends on the parent
+        rows = {10: [0.6, 0.4, 1e-9], 11: [0.05, 0.05, 0.9]}
+        return torch.tensor([rows[p] for p in parents.tolist()]).log()
+
+    tree = slot_tree(first, markov, TreeShape(2, 2, 4), to_target)
+    assert (tree.tokens.tolist(), tree.parents.tolist()) == ([10, 11, 10, 12], [-1, -1, 0, 1])
+    torch.testing.assert_close(tree.scores.exp(), torch.tensor([0.5, 0.3, 0.3, 0.27]))
+
+
+def tree_proposer(target, kind: str, vocab: int, aux: int, spread: float = 1.0):
+    """A block (dflash, dspark) or P-EAGLE proposer for trees; P-EAGLE's parallel laws made to differ."""
+    if kind != "peagle":
+        return BlockProposer(block_drafter(target, kind, vocab, aux, spread=spread, block_size=5), vocab, list(range(aux)))
+    torch.manual_seed(5)
+    drafter = PEagleDrafter(target.config, target.model.embed_tokens.weight, target.lm_head.weight, None,
+                            torch.arange(vocab), aux, target.config.hidden_size, mask_token_id=vocab - 1).eval()
+    with torch.no_grad():
+        drafter.mask_hidden.mul_(20)
+    return FeatureProposer(drafter, vocab, list(range(aux)))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "peagle"])
+@pytest.mark.parametrize("shape", [TreeShape(3, 2, 6), TreeShape(4, 3, 12)])
+def test_block_and_parallel_trees_give_the_targets_greedy_text(target, kind, shape):
+    """Trees drawn from one drafter forward a round (two for P-EAGLE's observe and mask forward)."""
+    proposer = tree_proposer(target, kind, V, 3)
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    for prompt, expected in greedy_cases(target):
+        out = generate(runner, proposer, prompt, 24, Static(0), tree=shape)
+        assert out.tokens == expected
+        assert all(r.drafter_forwards <= (2 if kind == "peagle" else 1) for r in out.rounds)
+        assert any(r.drafted > r.depth for r in out.rounds)  # a tree, not a chain
+        assert all(r.drafted <= shape.total_tokens and r.depth <= shape.depth for r in out.rounds)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "peagle"])
+def test_a_trees_best_path_is_the_greedy_chain_with_its_law(target, kind):
+    """Along the best child of the best child …, a tree holds the greedy chain the same drafter drafts, each
+    node scored by the log-probability of its path under the chain's laws (DSpark's under the Markov bias
+    of each parent)."""
+    prompt = [1, 2, 3, 4]
+    drafted = {}
+    for what in ("tree", "chain"):
+        proposer = tree_proposer(target, kind, V, 3)
+        runner = TargetRunner(target, proposer.aux_layer_ids)
+        logits, final, aux = runner.forward(prompt, last_logits=True)
+        first = int(logits[-1].argmax())
+        proposer.observe(prompt[1:] + [first], final, aux)
+        drafted[what] = proposer.propose_tree(TreeShape(3, 3, 30)) if what == "tree" else \
+            proposer.propose(prompt + [first], Static(3), 3, SamplingConfig(), None)
+    tree, (tokens, _, raw) = drafted["tree"], drafted["chain"]
+    node, score = -1, 0.0
+    for depth, token in enumerate(tokens):
+        kids = [i for i in range(len(tree)) if int(tree.parents[i]) == node]
+        node = max(kids, key=lambda i: float(tree.scores[i]))
+        score += float(raw[depth, token].log())
+        assert int(tree.tokens[node]) == token and int(tree.depth[node]) == depth + 1
+        assert float(tree.scores[node]) == pytest.approx(score, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "peagle"])
+def test_block_and_parallel_tree_sampling_is_lossless(kind):
+    """χ² of 2000 sampled 3-token continuations at T = 1 with trees of two levels (DSpark's second level
+    under each parent's Markov bias)."""
+    tv, length, n = 4, 3, 2000
+    target = make_llama(tv, seed=3, hidden=16, layers=1)
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(target, [1, 2], length, cfg)
+    proposer, g = tree_proposer(target, kind, tv, 2, spread=2.0), torch.Generator().manual_seed(0)
+    runner = TargetRunner(target, [0, 1])
+    outs = [generate(runner, proposer, [1, 2], length, Static(0), cfg, generator=g, tree=TreeShape(2, 2, 4))
+            for _ in range(n)]
+    assert any(r.drafted > r.depth for o in outs for r in o.rounds)
+    assert_follows_law(Counter(tuple(o.tokens) for o in outs), law)
 
 
 def test_the_block_layout_is_the_formats():

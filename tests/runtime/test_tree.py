@@ -333,7 +333,7 @@ def test_drafter_state_after_tree_rounds_equals_a_fresh_recomputation(target):
 
 def test_trees_refuse_what_they_cannot_do(target):
     runner = TargetRunner(target)
-    with pytest.raises(DraftsmithError, match="tree drafting needs an EAGLE"):
+    with pytest.raises(DraftsmithError, match="tree drafting needs a feature or block drafter"):
         generate(runner, ModelProposer(target, V), [1, 2], 5, Static(2), tree=TreeShape())
     with pytest.raises(DraftsmithError, match="chain drafts"):
         generate(runner, feature_proposers(target)["eagle"], [1, 2], 5, Static(2), rule=lambda *a: a[3], tree=TreeShape())
