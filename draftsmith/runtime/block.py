@@ -124,10 +124,11 @@ class BlockProposer:
         drafter = self.drafter
         shape = replace(shape, depth=min(shape.depth, drafter.drafts_per_block))
         base = drafter.logits(self.block(self.pending)[drafter.first_slot:]).float()  # (D, Vd)
+        unbiased = torch.log_softmax(base, -1)  # each slot's law where no parent biases it (DFlash)
 
         def law(j: int, parents: torch.Tensor) -> torch.Tensor:  # (m, Vd): slot j's log-law after each parent
             bias = drafter.markov(parents)[0]
-            return torch.log_softmax(base[j].expand(len(parents), -1) if bias is None else base[j] + bias.float(), -1)
+            return unbiased[j].expand(len(parents), -1) if bias is None else torch.log_softmax(base[j] + bias.float(), -1)
 
         return slot_tree(law(0, torch.tensor([self.pending], device=base.device))[0], law, shape, self.to_target)
 

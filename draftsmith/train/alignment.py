@@ -74,10 +74,9 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
             tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
         elif detach and j > 0:
             feature = feature.detach()
-        if index is None:
-            out = drafter(tokens, feature, positions + j, alignment_mask(anchors, j), cache)  # (B, T, H)
-        else:
-            out = drafter(tokens, feature, index + j, alignment_mask(anchors, j, kept.index), cache)  # (B, S_j, H)
+        at, queries = (positions, None) if index is None else (index, kept.index)
+        out = drafter(tokens, feature, at + j, alignment_mask(anchors, j, queries), cache)  # (B, T or S_j, H)
+        if index is not None:  # the kept anchors' rows back in place
             out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
         hiddens.append(out)
         feature = out
