@@ -5,9 +5,9 @@ extracted first when missing): eagle3 (recipes/smollm2-135m/eagle3-cpu.yaml as i
 with EAGLE-3.1's fc_norm and norm_output), eagle3_lk (the same drafter trained on the log
 acceptance-direct loss −log α alone, no cross-entropy: of the three forms the one that raised the T = 1
 estimate most in 400-step trials, docs/benchmarks.md), peagle, dflash and dspark (their -cpu recipes). Every
-arm gets the same wall time (`--minutes`, default the eagle3-cpu recipe's 20-minute budget): a short
-calibration run times its steps, and its schedule is set to the steps that fit (`--trainer.max_time`
-stops it at the budget either way). Each arm then reports its validation τ̂ (val/tau: the greedy
+arm gets the same wall time (`--minutes`, default the eagle3-cpu recipe's 19-minute budget) as its only
+bound (`--trainer.max_time`, no step count), so its cosine schedule runs over that time and ends with
+it whatever a step costs on this machine. Each arm then reports its validation τ̂ (val/tau: the greedy
 chain of its trained length, or its block) and decodes the same MT-bench first turns (`--prompts`,
 128 tokens each) in this process, the target's dtype chosen once (`--dtype auto`):
 
@@ -55,26 +55,17 @@ ARMS = {  # arm: (recipe, overrides, chain length, deepest tree: None for --tree
 }
 
 
-def build(recipe: str, overrides: tuple[str, ...], steps: int, out: Path, max_time: str | None = None):
+def build(recipe: str, overrides: tuple[str, ...], out: Path, steps: int = -1, minutes: float | None = None):
+    """The arm's LightningCLI: bounded by `steps`, or by `minutes` of wall time alone (steps -1)."""
     from draftsmith.train.cli import lightning_cli
 
     args = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(out),
             "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-            "--trainer.val_check_interval", str(steps + 1), "--trainer.enable_progress_bar", "false", *overrides]
-    if max_time:
-        args += ["--trainer.max_time", max_time]
+            "--trainer.val_check_interval", str(10**9), "--trainer.enable_progress_bar", "false", *overrides]
+    if minutes is not None:  # Lightning's DD:HH:MM:SS
+        whole = int(minutes * 60)
+        args += ["--trainer.max_time", f"00:{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}"]
     return lightning_cli(args, run=False)
-
-
-def seconds_per_step(recipe: str, overrides: tuple[str, ...], out: Path) -> float:
-    """A step's wall time: two short runs (6 and 26 steps), their difference over 20 steps (start-up cancels)."""
-    times = []
-    for steps in (6, 26):
-        cli = build(recipe, overrides, steps, out / "calibrate")
-        start = time.perf_counter()
-        cli.trainer.fit(cli.model, cli.datamodule)
-        times.append(time.perf_counter() - start)
-    return max((times[1] - times[0]) / 20, 1e-3)
 
 
 def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
@@ -85,24 +76,20 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     key, kept = kept_arm(done, record, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
-        # restored at the step it stopped at (max_time stops an arm short of its planned steps): fit returns
-        # without a step; the learning-rate schedule is never used again
-        cli = build(recipe, overrides, kept["trained_steps"], out)
+        # restored at the step it stopped at, as a run of that many steps: fit returns without a step
+        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
         if cli.trainer.global_step != kept["trained_steps"]:
             raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "
                                f"not the {kept['trained_steps']} it trained")
         info = kept
     else:
-        per_step = seconds_per_step(recipe, overrides, out)
-        steps = max(20, int(minutes * 60 / per_step))
-        budget = f"00:00:{int(minutes):02d}:{int(minutes % 1 * 60):02d}"
-        print(f"{name}: {per_step:.2f} s a step: {steps} steps in {minutes:g} min", flush=True)
-        cli = build(recipe, overrides, steps, out, max_time=budget)
+        cli = build(recipe, overrides, out, minutes=minutes)
         start = time.perf_counter()
         cli.trainer.fit(cli.model, cli.datamodule)
-        info = {"key": key, "steps": steps, "trained_steps": cli.trainer.global_step, "seconds_per_step": per_step,
-                "seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        info = {"key": key, "trained_steps": cli.trainer.global_step, "seconds": seconds,
+                "seconds_per_step": seconds / max(cli.trainer.global_step, 1)}
         cli.trainer.save_checkpoint(done, weights_only=False)
         record.write_text(json.dumps(info))
     metrics = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]
@@ -146,7 +133,7 @@ def decode(runner, proposer, prompts, policy, sampling, eos, tree=None) -> dict:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time per arm")
+    ap.add_argument("--minutes", type=float, default=19.0, help="training wall time per arm")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns decoded (128 tokens each)")
     ap.add_argument("--kinds", default=",".join(ARMS), help="the arms, comma-separated (eagle3 always runs)")
     ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS: the largest tree decoded (cost policy)")

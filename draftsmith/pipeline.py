@@ -150,7 +150,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     from draftsmith.eval.evaluate import evaluate
     from draftsmith.eval.report import plots, table, write_results
     from draftsmith.export import export
-    from draftsmith.train.checkpoints import best_checkpoint, checkpoint_state
+    from draftsmith.train.checkpoints import best_checkpoint, checkpoint_state, training_finished
 
     path, out = Path(cfg.recipe), cfg.out
     if not path.is_file():
@@ -163,9 +163,10 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     ensure_features(path, console, "1/4 extract")
     between_stages()
 
-    # 2. training, resumed from the newest last checkpoint, skipped when max_steps was reached
+    # 2. training, resumed from the newest last checkpoint, skipped once its steps or its time were spent
     last = _newest(root, "last*.ckpt")  # last-vN.ckpt: where Lightning had to keep an older last.ckpt
-    done = last is not None and checkpoint_state(last).get("global_step", 0) >= trainer.get("max_steps", -1) > 0
+    done = last is not None and training_finished(checkpoint_state(last), trainer.get("max_steps", -1),
+                                                  trainer.get("max_time"))
     if not done:
         console.rule("[bold]2/4 fit")
         args = ["--config", str(path)] + (["--trainer.default_root_dir", str(root)] if out else [])

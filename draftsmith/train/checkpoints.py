@@ -39,6 +39,21 @@ def checkpoint_state(path: Path) -> dict[str, Any]:
         raise DraftsmithError(f"{path}: not a checkpoint draftsmith can read safely ({type(e).__name__}: {e})") from None
 
 
+def training_finished(ckpt: dict[str, Any], max_steps: int = -1, max_time: Any = None) -> bool:
+    """Whether the run a checkpoint belongs to has reached its end: `max_steps` steps, or `max_time` (a
+    recipe's `trainer.max_time`, in any form Lightning takes) of training by Lightning's Timer."""
+    if max_steps > 0 and ckpt.get("global_step", 0) >= max_steps:
+        return True
+    if max_time is None:
+        return False
+    from pytorch_lightning.callbacks import Timer
+
+    budget = Timer(duration=max_time).time_remaining()  # not started: the whole duration, in seconds
+    spent = next((v["time_elapsed"].get("train", 0.0) for k, v in ckpt.get("callbacks", {}).items()
+                  if k.startswith("Timer") and isinstance(v, dict) and "time_elapsed" in v), 0.0)
+    return spent >= budget
+
+
 def monitored_records(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
     """The states a checkpoint holds of its run's monitored ModelCheckpoints (monitor, best_model_path,
     best_model_score, best_k_models, ...), in callback order; unmonitored ones (last.ckpt by steps) left out."""
@@ -121,22 +136,29 @@ def keep_checkpoints_beside(trainer: Any, last: Path) -> None:
             cb.dirpath = where
 
 
-def save_on_sigterm() -> Any:
-    """A callback that writes every save_last ModelCheckpoint's last.ckpt when the run is stopped by
-    SIGTERM (a scheduler's preemption, `kill`, a container stopping). Lightning stops such a run at the
-    end of a training step and, left alone, exits 0 having saved nothing since the last checkpoint."""
+def save_last_at_stop() -> Any:
+    """A callback that writes every save_last ModelCheckpoint's last.ckpt where a run stops between its
+    periodic saves: at the end of training (a `max_time` budget, or `max_steps` that is no multiple of
+    the save interval) and when the run is stopped by SIGTERM (a scheduler's preemption, `kill`, a
+    container stopping), which Lightning ends at the end of a training step and, left alone, exits 0
+    having saved nothing since the last checkpoint."""
     import pytorch_lightning as pl
     from pytorch_lightning.utilities.exceptions import SIGTERMException
     from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
-    class SaveOnSigterm(pl.Callback):
-        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-            if not isinstance(exception, SIGTERMException):
-                return
-            for cb in trainer.checkpoint_callbacks:
-                if cb.save_last and cb.dirpath:
-                    path = Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
-                    trainer.save_checkpoint(path)
-                    rank_zero_info(f"stopped by SIGTERM after step {trainer.global_step}: saved {path}")
+    def save(trainer: Any, why: str) -> None:
+        for cb in trainer.checkpoint_callbacks:
+            if cb.save_last and cb.dirpath:
+                path = Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+                trainer.save_checkpoint(path)
+                rank_zero_info(f"{why} after step {trainer.global_step}: saved {path}")
 
-    return SaveOnSigterm()
+    class SaveLastAtStop(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            save(trainer, "training ended")
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            if isinstance(exception, SIGTERMException):
+                save(trainer, "stopped by SIGTERM")
+
+    return SaveLastAtStop()

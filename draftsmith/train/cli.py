@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.checkpoints import keep_checkpoints_beside, last_checkpoint, save_on_sigterm
+from draftsmith.train.checkpoints import keep_checkpoints_beside, last_checkpoint, save_last_at_stop
 
 BASE_RECIPE = Path(__file__).with_name("base.yaml")  # what every recipe extends
 
@@ -73,7 +73,7 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
 
         def after_instantiate_classes(self) -> None:
             super().after_instantiate_classes()
-            self.trainer.callbacks.append(save_on_sigterm())
+            self.trainer.callbacks.append(save_last_at_stop())
             from draftsmith.train.progress import ProgressLog
 
             from draftsmith.train.trainer import ReleaseFreedMemory

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from draftsmith.train.optim import budget_timer
+
 
 def _clock(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
@@ -35,7 +37,12 @@ class ProgressLog(pl.Callback):
         where.mkdir(parents=True, exist_ok=True)
         self.path = where / "train.log"
         self.start = self.last = time.perf_counter()
-        self._write(f"training {type(pl_module).__name__} for {trainer.max_steps} steps ({self.path})")
+        budget = f"{trainer.max_steps} steps" if trainer.max_steps > 0 else None
+        timer = budget_timer(trainer)
+        if timer is not None:
+            limit = _clock(round(timer.time_elapsed() + timer.time_remaining()))
+            budget = f"{budget} or {limit}, whichever ends first" if budget else limit
+        self._write(f"training {type(pl_module).__name__} for {budget or 'the epochs set'} ({self.path})")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -44,11 +51,15 @@ class ProgressLog(pl.Callback):
         self.last = now
         step, total = trainer.global_step, trainer.max_steps
         elapsed = now - self.start
-        left = f", ~{_clock(elapsed / step * (total - step))} left" if step and total and total > 0 else ""
+        timer = budget_timer(trainer)
+        by_steps = elapsed / step * (total - step) if step and total and total > 0 else None
+        by_time = timer.time_remaining() if timer is not None else None
+        remaining = [t for t in (by_steps, by_time) if t is not None]
+        left = f", ~{_clock(max(min(remaining), 0.0))} left" if remaining else ""
         loss = trainer.callback_metrics.get("train/loss")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
-        parts = [f"step {step}/{total}", f"loss {float(loss):.4f}" if loss is not None else None,
-                 f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
+        parts = [f"step {step}/{total}" if total and total > 0 else f"step {step}",
+                 f"loss {float(loss):.4f}" if loss is not None else None, f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
         self._write("  ".join(p for p in parts if p))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:

@@ -66,14 +66,14 @@ SIGTERM_AT_STEP_3 = textwrap.dedent("""
     import os, signal, sys
     import draftsmith.train.cli as train_cli
     from draftsmith.cli import main
-    real = train_cli.save_on_sigterm
+    real = train_cli.save_last_at_stop
     def with_a_sigterm():  # the callback fit adds, which also sends the process SIGTERM after step 3
         class Term(type(real())):
             def on_train_batch_end(self, trainer, *args):
                 if trainer.global_step == 3:
                     os.kill(os.getpid(), signal.SIGTERM)
         return Term()
-    train_cli.save_on_sigterm = with_a_sigterm
+    train_cli.save_last_at_stop = with_a_sigterm
     main(sys.argv[1:])
 """)
 
@@ -434,7 +434,7 @@ def test_progress_lines_give_step_loss_and_time_left():
     log._write = lines.append
     log.path, log.start, log.last = "x", 0.0, -1.0
     trainer = SimpleNamespace(global_step=25, max_steps=100, callback_metrics={"train/loss": torch.tensor(2.5)},
-                              optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])])
+                              optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])], callbacks=[])
     import draftsmith.train.progress as progress
 
     clock = iter([50.0])
@@ -445,3 +445,29 @@ def test_progress_lines_give_step_loss_and_time_left():
     finally:
         progress.time.perf_counter = real
     assert lines == ["step 25/100  loss 2.5000  lr 1.00e-03  0:50 elapsed, ~2:30 left"]
+
+
+def test_a_time_budget_ends_the_schedule_and_the_run_reads_as_finished(tiny_features, tmp_path):
+    """max_time alone bounds the run: the cosine reaches its floor as the time runs out, the base recipe's
+    checkpoints keep the stop (last.ckpt, with the Timer's state), and `run` would skip the training."""
+    from draftsmith.train.checkpoints import checkpoint_state, training_finished
+    from draftsmith.train.cli import lightning_cli
+
+    path = recipe(tiny_features, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["trainer"]["callbacks"]  # base.yaml's: the best by val/tau, last.ckpt every 50 steps
+    cfg["trainer"].update(max_steps=-1, max_time="00:00:00:06", val_check_interval="00:00:00:02")
+    cfg["model"]["init_args"].update(min_lr_ratio=0.1)
+    path.write_text(yaml.safe_dump(cfg))
+    cli = lightning_cli(["--config", str(path)], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    steps = cli.trainer.global_step
+    assert steps > 6  # not a step count: the time ended it
+    last = next((tmp_path / "run").glob("**/last.ckpt"))
+    state = checkpoint_state(last)
+    assert state["global_step"] == steps  # saved at the stop, not at the last multiple of 50
+    assert state["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(0.003 * 0.1, rel=0.1)  # the floor
+    assert training_finished(state, -1, "00:00:00:06")
+    assert not training_finished(state, -1, "00:00:01:00") and training_finished(state, steps, None)
+    log = next((tmp_path / "run").glob("**/train.log")).read_text()
+    assert "for 0:06 (" in log  # the progress log names the budget
