@@ -36,7 +36,10 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
     decay_steps = max(1, int(total_steps) - warmup_steps) if spent is None else 1
 
     def factor(step: int) -> float:  # a plain function: LambdaLR keeps no state of it in a checkpoint
-        progress = (step - warmup_steps) / decay_steps if spent is None else spent()
+        if step < warmup_steps:  # by steps alone: no clock read (under DDP each read is a broadcast)
+            progress = 0.0
+        else:
+            progress = (step - warmup_steps) / decay_steps if spent is None else spent()
         return cosine_factor(step, progress, warmup_steps, min_lr_ratio)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -59,7 +59,8 @@ class ProgressLog(pl.Callback):
         loss = trainer.callback_metrics.get("train/loss")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         parts = [f"step {step}/{total}" if total and total > 0 else f"step {step}",
-                 f"loss {float(loss):.4f}" if loss is not None else None, f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
+                 f"loss {float(loss):.4f}" if loss is not None else None,
+                 f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
         self._write("  ".join(p for p in parts if p))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
