@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.train.checkpoints import monitored_records
+from draftsmith.train.checkpoints import monitored_records, validated_score
 
 LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -65,15 +65,16 @@ def check_config(config: dict[str, Any], required: dict[str, Any], where: str) -
 
 
 def provenance(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """Where an export came from: the checkpoint file, its step and epoch, and the validation score
-    ModelCheckpoint recorded for it (its monitor, val/tau for drafters: the τ̂ it was chosen by), so
-    that a served drafter can be traced to its run and two exports of one run told apart."""
+    """Where an export came from: the checkpoint file, its step and epoch, and its validation score (the
+    monitor ModelCheckpoint ranks by, val/tau for drafters: the τ̂ it was chosen by; as ModelCheckpoint
+    recorded it for a top-k file, else as the run validated at the checkpoint's step; None where it
+    did not), so that a served drafter can be traced to its run and two exports of one run told apart."""
     score, monitor = None, None
     for state in monitored_records(ckpt)[:1]:
         monitor = state["monitor"]
         recorded = {Path(k).name: v for k, v in (state.get("best_k_models") or {}).items()}
-        value = recorded.get(Path(ckpt["path"]).name, state.get("current_score"))
-        score = None if value is None else float(value)
+        value = recorded.get(Path(ckpt["path"]).name)
+        score = validated_score(ckpt, monitor) if value is None else float(value)
     return {"checkpoint": str(Path(ckpt["path"]).resolve()), "global_step": ckpt.get("global_step"),
             "epoch": ckpt.get("epoch"), "monitor": monitor, "score": score,
             "val_tau": score if monitor == "val/tau" else None}

@@ -54,6 +54,16 @@ def training_finished(ckpt: dict[str, Any], max_steps: int = -1, max_time: Any =
     return spent >= budget
 
 
+def validated_score(ckpt: dict[str, Any], monitor: str) -> float | None:
+    """`monitor`'s score at the checkpoint's own step, where the run validated at that step (the record
+    `save_last_at_stop` keeps); None where it did not."""
+    for key, state in ckpt.get("callbacks", {}).items():
+        if key == "SaveLastAtStop" and isinstance(state, dict) \
+                and state.get("global_step") == ckpt.get("global_step") and monitor in state.get("scores", {}):
+            return float(state["scores"][monitor])
+    return None
+
+
 def monitored_records(ckpt: dict[str, Any]) -> list[dict[str, Any]]:
     """The states a checkpoint holds of its run's monitored ModelCheckpoints (monitor, best_model_path,
     best_model_score, best_k_models, ...), in callback order; unmonitored ones (last.ckpt by steps) left out."""
@@ -154,6 +164,27 @@ def save_last_at_stop() -> Any:
                 rank_zero_info(f"{why} after step {trainer.global_step}: saved {path}")
 
     class SaveLastAtStop(pl.Callback):
+        """Also keeps, in every checkpoint, the step and the scores of the run's latest validation
+        (`validated_score`): ModelCheckpoint records scores only for the top-k files it writes."""
+
+        def __init__(self) -> None:
+            self.validated: dict[str, Any] = {}
+
+        @property
+        def state_key(self) -> str:  # the key of its state in a checkpoint's callbacks
+            return "SaveLastAtStop"
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            if not trainer.sanity_checking:
+                self.validated = {"global_step": trainer.global_step, "scores": {
+                    k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+
+        def state_dict(self) -> dict[str, Any]:
+            return dict(self.validated)
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.validated = dict(state_dict)
+
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             save(trainer, "training ended")
 
