@@ -57,11 +57,10 @@ def training_finished(ckpt: dict[str, Any], max_steps: int = -1, max_time: Any =
 def validated_score(ckpt: dict[str, Any], monitor: str) -> float | None:
     """`monitor`'s score at the checkpoint's own step, where the run validated at that step (the record
     `save_last_at_stop` keeps); None where it did not."""
-    for key, state in ckpt.get("callbacks", {}).items():
-        if key == "SaveLastAtStop" and isinstance(state, dict) \
-                and state.get("global_step") == ckpt.get("global_step") and monitor in state.get("scores", {}):
-            return float(state["scores"][monitor])
-    return None
+    state = ckpt.get("callbacks", {}).get("SaveLastAtStop") or {}
+    if state.get("global_step") != ckpt.get("global_step") or monitor not in state.get("scores", {}):
+        return None
+    return float(state["scores"][monitor])
 
 
 def monitored_records(ckpt: dict[str, Any]) -> list[dict[str, Any]]:

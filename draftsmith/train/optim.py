@@ -18,14 +18,12 @@ import torch
 from draftsmith import DraftsmithError
 
 
-def cosine_factor(step: int, progress: float, warmup_steps: int, min_lr_ratio: float) -> float:
-    """The learning rate ÷ its peak at optimizer step `step`, `progress` (0..1) of the way through training."""
-    if step < warmup_steps:
-        return step / warmup_steps
+def cosine_factor(progress: float, min_lr_ratio: float) -> float:
+    """The learning rate ÷ its peak after warm-up, `progress` (0..1) of the way through training."""
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
-def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_steps: int, warmup_steps: int,
+def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_steps: float, warmup_steps: int,
                         min_lr_ratio: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                         spent: Callable[[], float] | None = None) -> dict[str, Any]:
     """What `configure_optimizers` returns; the schedule steps every optimizer step.
@@ -37,10 +35,8 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
 
     def factor(step: int) -> float:  # a plain function: LambdaLR keeps no state of it in a checkpoint
         if step < warmup_steps:  # by steps alone: no clock read (under DDP each read is a broadcast)
-            progress = 0.0
-        else:
-            progress = (step - warmup_steps) / decay_steps if spent is None else spent()
-        return cosine_factor(step, progress, warmup_steps, min_lr_ratio)
+            return step / warmup_steps
+        return cosine_factor((step - warmup_steps) / decay_steps if spent is None else spent(), min_lr_ratio)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -99,5 +95,5 @@ class WarmupCosineAdamW:
     def configure_optimizers(self) -> dict[str, Any]:
         h, total = self.hparams, self.trainer.estimated_stepping_batches
         spent = time_spent(self.trainer) if math.isinf(total) else None
-        return adamw_warmup_cosine(self.trained_parameters(), h.lr, 0 if spent else total, h.warmup_steps,
+        return adamw_warmup_cosine(self.trained_parameters(), h.lr, total, h.warmup_steps,
                                    h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent)

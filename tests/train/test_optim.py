@@ -40,7 +40,7 @@ def test_a_time_budget_runs_the_cosine_over_the_share_of_time_spent():
     out = adamw_warmup_cosine([p], lr, 0, warmup, floor, spent=lambda: clock[0])
     opt, sched = out["optimizer"], out["lr_scheduler"]["scheduler"]
     seen = []
-    for step in range(40):  # the step count says nothing of the end: 40 steps, then 4 more at the budget's end
+    for step in range(40):  # the step count says nothing of the end: the clock reaches it at step 24
         clock[0] = min(1.0, max(0.0, (step - warmup) / 20))
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
