@@ -272,3 +272,28 @@ def fresh(monkeypatch):
 
     yield set_speed, calls
     forget_choices(monkeypatch)
+
+
+def assert_same_step(a: tuple, b: tuple) -> None:
+    """Two runs of a step, each (losses, gradients, metrics) as dicts of tensors, agree key by key."""
+    import torch
+
+    for x, y, tol in zip(a, b, ((1e-5, 1e-6), (1e-4, 1e-6), (1.3e-6, 1e-5))):
+        assert x.keys() == y.keys() and x
+        for key in x:
+            torch.testing.assert_close(y[key], x[key], rtol=tol[0], atol=tol[1])
+
+
+def step_and_validate(module, batch) -> tuple[dict, dict]:
+    """One training forward and backward of a drafter module on `batch`, then a validation forward (its
+    metrics left in the module): the training outputs and the drafter's gradients."""
+    import torch
+
+    module.train()
+    out = module.alignment_forward(batch, with_metrics=False)
+    out["loss"].backward()
+    grads = {k: p.grad.clone() for k, p in module.drafter.named_parameters() if p.grad is not None}
+    module.eval()
+    with torch.no_grad():
+        module.alignment_forward(batch, with_metrics=True)
+    return out, grads

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
-from tests.conftest import run_cli
+from tests.conftest import assert_same_step, run_cli, step_and_validate
 
 
 def evaluate(features, drafter, out, *args):
@@ -121,4 +121,36 @@ def test_each_block_slot_learns_the_law_of_the_token_it_drafts(tiny_features, mo
     head = module.target_head.weight[module.drafter.draft_to_target]
     drafted = a + torch.arange(first, size) + 1 - first  # the position of each drafted token
     expected = torch.softmax(batch["final"][0, drafted - 1].float() @ head.float().T, -1)
-    torch.testing.assert_close(laws[0], expected)
+    assert len(laws[0]) % 64 == 0  # the drafted rows, padded (`bucketed_rows`): the padding carries weight 0
+    torch.testing.assert_close(laws[0][:len(expected)], expected)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_padding_the_drafted_rows_changes_neither_loss_nor_gradients_nor_metrics(tiny_features, monkeypatch, kind):
+    """The block's drafted tokens are padded to a multiple of 64 rows (weight 0) so that the step's products
+    take few shapes; the loss, each weight's gradient, the slot metrics and DSpark's confidence metrics are
+    those of the unpadded rows."""
+    from draftsmith.data.modules import FeatureDataModule
+    from draftsmith.train import alignment, block
+
+    dm = FeatureDataModule(str(tiny_features / "features"), layer_ids=[0, 1, 2], max_tokens=300, val_fraction=0.2)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    extra = {"markov_rank": 8, "confidence_head": True} if kind == "dspark" else {}
+    got, rows_seen = {}, []
+    spy = block.soft_cross_entropy_per_position
+    monkeypatch.setattr(block, "soft_cross_entropy_per_position", lambda logits, p: rows_seen.append(len(p)) or spy(logits, p))
+    for multiple in (1, 64):
+        monkeypatch.setattr(alignment, "ROW_MULTIPLE", multiple)
+        torch.manual_seed(0)
+        module = block.BlockDrafterModule(target=str(tiny_features / "target"), kind=kind, aux_layer_ids=[0, 1, 2],
+                                          draft_vocab_size=40, block_size=4, anchors=3, count_tokens=dm.token_counts,
+                                          **extra)
+        module.configure_model()
+        out, grads = step_and_validate(module, batch)
+        metrics = dict(module.val_metric.compute())
+        if kind == "dspark":
+            metrics.update(auroc=module.val_auroc.compute(), ece=module.val_ece.compute())
+        got[multiple] = out, grads, metrics
+    assert rows_seen[0] % 64 != 0 and rows_seen[2] % 64 == 0  # the unpadded arm, then the padded one
+    assert_same_step(got[1], got[64])

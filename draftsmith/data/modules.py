@@ -1,12 +1,13 @@
 """LightningDataModules over feature shards: length-bucketed batches, split by conversation id.
 
-Batch keys (B batch, T longest record in the batch, H hidden, k extra layers):
+Batch keys (B batch, T the longest record in the batch rounded up to a multiple of 64, H hidden, k extra layers):
 input_ids (B, T) long, attention_mask (B, T) bool, loss_mask (B, T) bool,
 final (B, T, H), aux (B, T, k*H) when layer ids are asked for, ids (list of str).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import numpy as np
@@ -22,12 +23,15 @@ class LengthBatchSampler(torch.utils.data.Sampler):
     """Batches of similar length within a padded-token budget, reshuffled every epoch.
 
     With `world_size` > 1 each rank takes every world_size-th batch of the same shuffled
-    order, truncated so that all ranks run the same number of steps.
+    order, truncated so that all ranks run the same number of steps. `multiple`: the batch's width is
+    its longest record rounded up to a multiple of this (as `pad_collate` pads it), and the budget
+    counts that width.
     """
 
     def __init__(self, lengths: np.ndarray, indices: np.ndarray, max_tokens: int, max_batch_size: int,
-                 shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1):
+                 shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1, multiple: int = 1):
         self.lengths, self.indices = np.asarray(lengths), np.asarray(indices)
+        self.widths = -(-self.lengths // multiple) * multiple
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.rank, self.world_size = rank, world_size
@@ -42,7 +46,7 @@ class LengthBatchSampler(torch.utils.data.Sampler):
         order = order[np.argsort(-self.lengths[order], kind="stable")]
         batches, current = [], []
         for i in order.tolist():
-            width = self.lengths[current[0]] if current else self.lengths[i]
+            width = self.widths[current[0]] if current else self.widths[i]
             if current and (len(current) >= self.max_batch_size or (len(current) + 1) * width > self.max_tokens):
                 batches.append(current)
                 current = []
@@ -65,10 +69,16 @@ class LengthBatchSampler(torch.utils.data.Sampler):
         return len(self._batches())
 
 
-def pad_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Right-pad records to the longest in the batch."""
+PAD_MULTIPLE = 64  # a batch's width is a multiple of this: see `pad_collate`
+
+
+def pad_collate(items: list[dict[str, Any]], multiple: int = 1) -> dict[str, Any]:
+    """Right-pad records to the longest in the batch, rounded up to a multiple of `multiple`.
+
+    The rounding keeps a training step's products to a few shapes: on a CPU oneDNN builds a kernel for
+    each new shape it meets, which costs several times the product itself (benchmarks/step_shapes.py)."""
     lengths = [len(it["input_ids"]) for it in items]
-    b, t = len(items), max(lengths)
+    b, t = len(items), -(-max(lengths) // multiple) * multiple
     out: dict[str, Any] = {
         "input_ids": torch.zeros((b, t), dtype=torch.long),
         "attention_mask": torch.zeros((b, t), dtype=torch.bool),
@@ -118,8 +128,10 @@ class _LengthBatched(pl.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         sampler = LengthBatchSampler(self.lengths, indices, self.max_tokens, self.max_batch_size,
-                                     shuffle=shuffle, seed=self.seed, rank=rank, world_size=world)
-        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=pad_collate,
+                                     shuffle=shuffle, seed=self.seed, rank=rank, world_size=world,
+                                     multiple=PAD_MULTIPLE)
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler,
+                                           collate_fn=functools.partial(pad_collate, multiple=PAD_MULTIPLE),
                                            num_workers=self.num_workers,
                                            persistent_workers=self.num_workers > 0)
 
@@ -142,7 +154,7 @@ class FeatureDataModule(_LengthBatched):
             unless a drafter names the layers it fuses. `draftsmith run` extracts them, so recipes
             sharing a directory can each ask for the layers all of them need.
         val_fraction: share of conversations (by id hash) held out for validation.
-        max_tokens: padded tokens per batch (B * T).
+        max_tokens: padded tokens per batch (B * T, T a multiple of 64).
         max_batch_size: records per batch at most.
         num_workers: DataLoader worker processes.
         seed: shuffling seed (the batch order changes every epoch).
@@ -229,7 +241,7 @@ class ChatDataModule(_LengthBatched):
         max_length: tokens per chat.
         limit: use only the first LIMIT kept conversations.
         val_fraction: share of conversations (by id hash) held out for validation.
-        max_tokens: padded tokens per batch (B * T).
+        max_tokens: padded tokens per batch (B * T, T a multiple of 64).
         max_batch_size: records per batch at most.
         num_workers: DataLoader worker processes.
         seed: shuffling seed.

@@ -20,6 +20,41 @@ import torch.nn.functional as F
 from draftsmith.models.common import KVBuffer, alignment_mask
 
 
+ROW_MULTIPLE = 64  # rows a loss gathers are padded to a multiple of this (`bucketed_rows`)
+
+
+class Rows(NamedTuple):
+    """The True entries of a mask (B, T or any shape) as flat indices, padded: index (N',) into the flattened
+    grid, real (N',) which of them are entries (the rest repeat the first), n the number of entries, dims
+    the mask's number of dimensions."""
+
+    index: torch.Tensor
+    real: torch.Tensor
+    n: int
+    dims: int
+
+
+def bucketed_rows(mask: torch.Tensor, multiple: int | None = None) -> Rows:
+    """`mask`'s entries padded to a multiple of `multiple` rows, so that the products over them take one of
+    a few shapes. On a CPU oneDNN builds a matmul kernel for every new shape it meets (about 15 ms for a
+    (M, 4096) × (4096, 576) bf16 product, several times the product itself), and the number of rows that
+    carry loss changes with every batch; padded rows are masked out of every loss."""
+    multiple = ROW_MULTIPLE if multiple is None else multiple
+    index = mask.reshape(-1).nonzero().squeeze(1)
+    n = len(index)
+    pad = -n % multiple if n else 0
+    real = torch.ones(n + pad, dtype=torch.bool, device=mask.device)
+    if pad:
+        index = torch.cat([index, index.new_full((pad,), int(index[0]))])
+        real[n:] = False
+    return Rows(index, real, n, mask.dim())
+
+
+def gather_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """x's entries at `rows` (x shaped as the mask, then any trailing dimensions) as (N', ...)."""
+    return x.reshape(-1, *x.shape[rows.dims:])[rows.index]
+
+
 def shift(x: torch.Tensor, j: int, length: int) -> torch.Tensor:
     """x[:, 1+j : 1+j+length] padded with zeros/False to `length` along dim 1."""
     y = x[:, 1 + j : 1 + j + length]

@@ -28,6 +28,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import DFLASH
+from draftsmith.train.alignment import bucketed_rows, gather_rows
 from draftsmith.train.drafter import DrafterModule
 from draftsmith.train.losses import acceptance_per_position, sharpen, soft_cross_entropy_per_position, weighted_mean
 from draftsmith.train.metrics import DraftAcceptance
@@ -116,10 +117,11 @@ class BlockDrafterModule(DrafterModule):
         sel = real[..., None] & inside & (slots >= first) & (law >= 0)
         if not sel.any():
             return {"loss": sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)}
-        rows = law[sel]  # (M,)
-        prev = ids.gather(1, before).view_as(at)[sel]  # the token before each drafted one
-        picked, slot = hidden[sel], slots.expand_as(at)[sel]
-        weight = torch.exp(-(slot - first).float() / h.decay_gamma)
+        drafted = bucketed_rows(sel)  # the M drafted tokens, padded with weight 0
+        rows = gather_rows(law, drafted).masked_fill(~drafted.real, 0)  # (M',)
+        prev = gather_rows(ids.gather(1, before).view_as(at), drafted)  # the token before each drafted one
+        picked, slot = gather_rows(hidden, drafted), gather_rows(slots.expand_as(at), drafted)
+        weight = torch.exp(-(slot - first).float() / h.decay_gamma) * drafted.real
         logits = drafter.logits(picked).float()
         bias, embedding = drafter.markov(prev)
         if bias is not None:
@@ -147,12 +149,14 @@ class BlockDrafterModule(DrafterModule):
                 F.binary_cross_entropy_with_logits(confidence, alpha, reduction="none"), weight)
             total = total + h.confidence_weight * parts["confidence"]
             if with_metrics:
-                draws = torch.rand(len(accepted), generator=torch.Generator().manual_seed(1)).to(accepted.device)
-                outcome = (draws < accepted).long()
-                self.val_auroc.update(confidence.sigmoid(), outcome)
-                self.val_ece.update(confidence.sigmoid(), outcome)
+                m = drafted.n
+                draws = torch.rand(m, generator=torch.Generator().manual_seed(1)).to(accepted.device)
+                outcome = (draws < accepted[:m]).long()
+                self.val_auroc.update(confidence[:m].sigmoid(), outcome)
+                self.val_ece.update(confidence[:m].sigmoid(), outcome)
         if with_metrics:
-            self._score_slots(slot - first, logits, top1[rows], accepted)
+            m = drafted.n
+            self._score_slots(slot[:m] - first, logits[:m], top1[rows[:m]], accepted[:m])
         return {"loss": total, **parts}
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
-from draftsmith.train.alignment import alignment_hiddens, cod_positions, shift
+from draftsmith.train.alignment import alignment_hiddens, bucketed_rows, cod_positions, gather_rows, shift
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
@@ -240,7 +240,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
     def _target_table(self, final: torch.Tensor, carries: torch.Tensor, with_top1: bool) -> tuple[torch.Tensor, ...]:
         """Target distributions at every position that carries loss in any step, computed once.
 
-        Returns row (B, T+1) → table row (-1 where none), p (M, V or Vd), for metrics the target's
+        Returns row (B, T+1) → table row (-1 where none), p (M', V or Vd; M' ≥ M rows, `bucketed_rows`), for metrics the target's
         full-vocabulary argmax (M,) and the share of the target's law a pruned draft vocabulary holds (M,;
         None for a full one). p is renormalised over a pruned vocabulary (the distillation target); p · mass
         is the target's own law on it, which a drafted token is accepted against: Σ min(p · mass, q) is the
@@ -251,7 +251,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         need[:, 0] = False  # position 0 is never predicted
         row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
         row[need] = torch.arange(int(need.sum()), device=need.device)
-        feats = final[need]  # (M, H)
+        feats = gather_rows(final, bucketed_rows(need))  # (M', H): the M positions in order, then padding
         rows = self.drafter.draft_to_target
         weight = self.target_head.weight if rows is None else self.target_head.weight[rows]
         z = soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float()  # (M, V or Vd)
@@ -294,10 +294,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                 sel = sel & kept.mask[j]
             if not sel.any():
                 continue
-            rows, picked = shift(row, j, t)[sel], hidden[sel]  # (N,) table rows of f_{t+1+j}; (N, H)
+            at = bucketed_rows(sel)  # the N selected anchors, padded; `every` marks the real ones
+            every = at.real
+            rows = gather_rows(shift(row, j, t), at).masked_fill(~every, 0)  # (N',) table rows of f_{t+1+j}
+            picked = gather_rows(hidden, at)  # (N', H)
             x = self.drafter.head_input(picked)
             if j < h.alignment_steps:  # a trained step
-                every = sel.new_ones(len(rows))
                 loss = 0.0
                 if torch.is_tensor(mix):  # a soft cross-entropy or Top-K term (ce_weight, topk_weight)
                     parts[f"distill_{j}"] = loss = head_distillation(x, weight, mass[rows], mix[rows], every)
@@ -307,12 +309,13 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                                                                h.acceptance_eta)
                     loss = loss + h.acceptance_weight * parts[f"acceptance_{j}"]
                 if regresses and h.feature_weight:
-                    parts[f"feature_{j}"] = feature_regression(picked, shift(final, j, t)[sel], every)
+                    parts[f"feature_{j}"] = feature_regression(picked, gather_rows(shift(final, j, t), at), every)
                     loss = loss + h.feature_weight * parts[f"feature_{j}"]
                 total = total + weights[j] * loss
             if j < scored:
-                self.val_metric.update_from_head(j, x, weight, table, rows, top1[rows], self.drafter.draft_to_target,
-                                                 table_mass=mass_in)
+                n = at.n
+                self.val_metric.update_from_head(j, x[:n], weight, table, rows[:n], top1[rows[:n]],
+                                                 self.drafter.draft_to_target, table_mass=mass_in)
         if not torch.is_tensor(total):  # no position carried loss in this batch
             total = sum(p.sum() * 0.0 for p in self.drafter.parameters() if p.requires_grad)
         return {"loss": total, **parts}

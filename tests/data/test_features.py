@@ -7,7 +7,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.data.features import FeatureReader, build_manifest, write_shard
 from draftsmith.data.shards import claim_directory
-from draftsmith.data.modules import FeatureDataModule, LengthBatchSampler, pad_collate
+from draftsmith.data.modules import PAD_MULTIPLE, FeatureDataModule, LengthBatchSampler, pad_collate
 
 H = 8
 
@@ -85,6 +85,10 @@ def test_length_batches_respect_the_budget_and_split_ranks():
     assert list(sampler) != batches  # reshuffled per epoch, deterministically
     sampler.set_epoch(0)
     assert list(sampler) == batches
+    padded = list(LengthBatchSampler(lengths, indices, 800, 16, True, 1, multiple=64))
+    for b in padded:  # the budget counts the width the batch is padded to
+        assert len(b) == 1 or len(b) * -(-max(lengths[b]) // 64) * 64 <= 800
+    assert len(padded) > len(batches)
     ranks = [list(LengthBatchSampler(lengths, indices, 800, 16, True, 1, rank=r, world_size=2)) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1])
     assert not {i for b in ranks[0] for i in b} & {i for b in ranks[1] for i in b}
@@ -102,7 +106,8 @@ def test_datamodule_splits_by_conversation_id_and_pads(tmp_path):
     assert batch["final"].shape == (b, t, H) and batch["aux"].shape == (b, t, H)
     lengths = batch["attention_mask"].sum(1)
     assert not batch["loss_mask"][~batch["attention_mask"]].any()
-    assert torch.all(batch["final"][~batch["attention_mask"]] == 0) and lengths.max() == t
+    assert torch.all(batch["final"][~batch["attention_mask"]] == 0)
+    assert t % PAD_MULTIPLE == 0 and t - PAD_MULTIPLE < lengths.max() <= t  # the longest, rounded up
 
 
 def test_collate_right_pads():
@@ -113,6 +118,9 @@ def test_collate_right_pads():
     assert out["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
     assert out["attention_mask"].tolist() == [[True] * 3, [True, False, False]]
     assert out["final"][1, 1:].abs().sum() == 0
+    out = pad_collate(items, multiple=4)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]] and out["final"].shape == (2, 4, 2)
+    assert out["attention_mask"][0].tolist() == [True, True, True, False]
 
 
 def test_missing_manifest_says_what_to_run(tmp_path):

@@ -9,7 +9,7 @@ from draftsmith.models.eagle import EagleDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, PEagleDrafter
 from draftsmith.train.alignment import alignment_hiddens, cod_positions
 from draftsmith.train.drafter import DrafterModule
-from tests.conftest import make_llama
+from tests.conftest import assert_same_step, make_llama, step_and_validate
 
 V, H = 50, 32
 
@@ -337,3 +337,42 @@ def test_val_steps_scores_steps_beyond_the_trained_ones_without_training_them(ti
     assert metrics["three"]["tau_t1"] > metrics["two"]["tau_t1"]  # the third step adds to the chain
     with pytest.raises(DraftsmithError, match="val_steps must be >= 1"):
         DrafterModule(str(tiny_target_dir), kind="eagle3", val_steps=0)
+
+
+def test_bucketed_rows_pads_a_masks_entries_to_the_multiple():
+    from draftsmith.train.alignment import bucketed_rows, gather_rows
+
+    mask = torch.tensor([[False, True, True], [True, False, False]])
+    rows = bucketed_rows(mask, 4)
+    assert rows.index.tolist() == [1, 2, 3, 1] and rows.real.tolist() == [True, True, True, False] and rows.n == 3
+    x = torch.arange(12.0).view(2, 3, 2)
+    assert gather_rows(x, rows).tolist() == [[2, 3], [4, 5], [6, 7], [2, 3]]
+    assert bucketed_rows(mask, 3).index.tolist() == [1, 2, 3]  # already a multiple: no padding
+    empty = bucketed_rows(torch.zeros(2, 3, dtype=torch.bool), 4)
+    assert empty.n == 0 and len(empty.index) == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(tiny_target_dir, monkeypatch, kind):
+    """The rows a step's losses gather (the target's table, each step's anchors) are padded to a multiple of
+    64 so that its products take few shapes; the loss, its gradients and the validation metrics are those of
+    the unpadded rows, with 2 trained steps and 3 scored."""
+    from draftsmith.train import alignment, drafter
+
+    rows_seen, spy = [], drafter.head_distillation
+    monkeypatch.setattr(drafter, "head_distillation", lambda x, *a: rows_seen.append(len(x)) or spy(x, *a))
+    got, state = {}, None
+    for multiple in (1, 64):
+        monkeypatch.setattr(alignment, "ROW_MULTIPLE", multiple)
+        torch.manual_seed(0)
+        module = DrafterModule(str(tiny_target_dir), kind=kind, aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                               acceptance_weight=0.5, acceptance_loss="log", alignment_steps=2, val_steps=3)
+        module.configure_model()
+        state = state or module.state_dict()
+        module.load_state_dict(state)
+        batch = feature_batch(module, 11)
+        batch["loss_mask"][0, :3] = 0  # a prompt: not every position carries loss
+        out, grads = step_and_validate(module, batch)
+        got[multiple] = out, grads, module.val_metric.compute()
+    assert rows_seen[0] % 64 != 0 and all(n % 64 == 0 for n in rows_seen[len(rows_seen) // 2:])
+    assert_same_step(got[1], got[64])

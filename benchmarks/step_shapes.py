@@ -1,0 +1,73 @@
+"""Seconds a training step with and without padding its products to a few shapes.
+
+A training step's products change shape with every batch: the batch's width (its longest record) and the
+number of positions that carry loss. On a CPU oneDNN builds a kernel for each new shape it meets, several
+times the cost of the product itself (a (M, 4096) x (4096, 576) bf16 product: ~15 ms the first time, ~4 ms
+after). `draftsmith fit` pads a batch's width to a multiple of 64 (`data.modules.PAD_MULTIPLE`) and the rows
+each loss gathers to a multiple of 64 (`train.alignment.ROW_MULTIPLE`). The arm `exact` sets both to 1
+(every shape as the data has it), `padded` runs as `fit` does. Each arm is its own process (a fresh kernel
+cache), the recipe's own steps, its seconds a step read from `train.log`; the arms alternate over
+`--passes`. Ends with
+
+    RESULT s_per_step_exact=... s_per_step_padded=... speedup=<exact ÷ padded> steps=...
+
+    python benchmarks/step_shapes.py --steps 300 --recipe recipes/smollm2-135m/eagle3-cpu.yaml
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import alternate, clock_seconds, newest_train_log, parser, print_result
+
+ROOT = Path(__file__).resolve().parent.parent
+FIT = """
+import sys
+arm = sys.argv.pop(1)
+if arm == "exact":
+    from draftsmith.data import modules
+    from draftsmith.train import alignment
+    modules.PAD_MULTIPLE = alignment.ROW_MULTIPLE = 1
+from draftsmith.train.cli import lightning_cli
+cli = lightning_cli(sys.argv[1:], run=False)
+cli.trainer.fit(cli.model, cli.datamodule)
+"""
+DONE = re.compile(r"done: (\d+) steps in ([0-9:]+)")
+
+
+def fit(arm: str, recipe: str, steps: int, root: Path) -> float:
+    """Seconds a step of one `fit` of `steps` steps (no validation)."""
+    args = [sys.executable, "-c", FIT, arm, "--config", recipe, "--trainer.max_steps", str(steps),
+            "--trainer.max_time", "null", "--trainer.val_check_interval", str(steps + 1),
+            "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root),
+            "--trainer.enable_progress_bar", "false"]
+    done = subprocess.run(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"fit failed ({done.returncode}): {' '.join(args)}\n{done.stderr[-3000:]}")
+    m = DONE.search(newest_train_log(root).read_text())
+    return clock_seconds(m[2]) / int(m[1])
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--recipe", default="recipes/smollm2-135m/eagle3-cpu.yaml")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--passes", type=int, default=1)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = itertools.count()
+        results = alternate({arm: (lambda arm=arm: fit(arm, args.recipe, args.steps, Path(tmp) / f"run{next(runs)}"))
+                             for arm in ("exact", "padded")}, args.passes)
+    step = {arm: statistics.median(values) for arm, values in results.items()}
+    print_result({"s_per_step_exact": f"{step['exact']:.3f}", "s_per_step_padded": f"{step['padded']:.3f}",
+                  "speedup": f"{step['exact'] / step['padded']:.3f}", "steps": args.steps})
+
+
+if __name__ == "__main__":
+    main()
