@@ -18,6 +18,7 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import STANDALONE
 from draftsmith.train import frozen
+from draftsmith.train.alignment import Rows, bucketed_rows, gather_rows
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
@@ -105,8 +106,8 @@ class DistillModule(WarmupCosineAdamW, pl.LightningModule):
         """The target's head (the student's own weights are all trained)."""
         return key == "target_head.weight"
 
-    def _target_logits(self, batch: dict[str, Any], sel: torch.Tensor) -> torch.Tensor:
-        """The target's logits (N, V) at the N selected positions of sel (B, T)."""
+    def _target_logits(self, batch: dict[str, Any], at: Rows) -> torch.Tensor:
+        """The target's logits (N', V) at the selected positions `at` of the (B, T) anchors."""
         with torch.no_grad():
             if "final" in batch:
                 final = batch["final"]
@@ -114,25 +115,28 @@ class DistillModule(WarmupCosineAdamW, pl.LightningModule):
                 final, _ = frozen.online_features(self._target, batch)
             else:
                 raise DraftsmithError("the batch holds no features and no target is loaded for online mode")
-            return soft_cap(self.target_head(final[:, :-1][sel].to(self.target_head.weight.dtype)), self.softcap)
+            picked = gather_rows(final[:, :-1], at).to(self.target_head.weight.dtype)
+            return soft_cap(self.target_head(picked), self.softcap)
 
     def _step(self, batch: dict[str, Any], with_metrics: bool) -> torch.Tensor:
         valid = batch["attention_mask"].bool()
         sel = valid[:, :-1] & batch["loss_mask"].bool()[:, 1:] & valid[:, 1:]  # x_{t+1} is an assistant token
         # both heads run on the loss positions only (a quarter of the rows are prompts here)
         hidden = self.student.get_decoder()(input_ids=batch["input_ids"], attention_mask=valid.long()).last_hidden_state
-        x, head = hidden[:, :-1][sel], self.student.get_output_embeddings()  # (N, H)
-        target = self._target_logits(batch, sel)  # (N, V)
-        every = sel.new_ones(len(x))
+        at = bucketed_rows(sel)  # the N loss positions, padded to a few shapes; `every` marks the real ones
+        x, head = gather_rows(hidden[:, :-1], at), self.student.get_output_embeddings()  # (N', H)
+        target = self._target_logits(batch, at)  # (N', V)
+        every = at.real
         if self.hparams.kl_top_k is None and head.bias is None:  # the student's (N, V) logits are never formed
             loss = head_forward_kl(x, head.weight, target, every)
         else:
             loss = forward_kl(head(x), target, every, self.hparams.kl_top_k)
-        if with_metrics and len(x):
+        if with_metrics and at.n:
             with torch.no_grad():
-                p = torch.softmax(target.float(), -1)
-                self.val_metric.update_from_head(0, x, head.weight, p, torch.arange(len(x), device=x.device),
-                                                 target.argmax(-1), bias=head.bias)
+                n = at.n
+                p = torch.softmax(target[:n].float(), -1)
+                self.val_metric.update_from_head(0, x[:n], head.weight, p, torch.arange(n, device=x.device),
+                                                 target[:n].argmax(-1), bias=head.bias)
         return loss
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

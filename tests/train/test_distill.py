@@ -8,7 +8,14 @@ from draftsmith.train.losses import forward_kl
 
 
 @pytest.mark.parametrize("kl_top_k", [None, 5])
-def test_step_loss_is_forward_kl_of_the_student_logits(tiny_target_dir, kl_top_k):
+def test_step_loss_is_forward_kl_of_the_student_logits(tiny_target_dir, kl_top_k, monkeypatch):
+    """... and the rows it runs on are padded to a multiple of 64 (`bucketed_rows`), which changes nothing."""
+    from draftsmith.train import distill
+
+    rows = []
+    for name in ("forward_kl", "head_forward_kl"):
+        real = getattr(distill, name)
+        monkeypatch.setattr(distill, name, lambda x, *a, real=real: rows.append(len(x)) or real(x, *a))
     module = DistillModule(str(tiny_target_dir), num_layers=1, kl_top_k=kl_top_k)
     module.configure_model()
     g = torch.Generator().manual_seed(0)
@@ -33,6 +40,7 @@ def test_step_loss_is_forward_kl_of_the_student_logits(tiny_target_dir, kl_top_k
     expected = forward_kl(logits, target, sel.new_ones(len(logits)), kl_top_k)
     expected.backward()
     torch.testing.assert_close(loss.float(), expected)
+    assert rows and all(n % 64 == 0 for n in rows) and len(logits) % 64
     assert got.keys() == {n for n, p in module.student.named_parameters() if p.grad is not None} and got
     for name, p in module.student.named_parameters():
         if p.grad is not None:
