@@ -115,10 +115,10 @@ class BlockDrafterModule(DrafterModule):
         before = (at - 1).clamp_min(0).flatten(1)
         law = row.gather(1, before).view_as(at)  # (N, A, B) table rows, -1: no loss
         sel = real[..., None] & inside & (slots >= first) & (law >= 0)
-        if not sel.any():
+        drafted = bucketed_rows(sel)  # the M drafted tokens, padded with the first at weight 0
+        if not drafted.n:
             return {"loss": sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)}
-        drafted = bucketed_rows(sel)  # the M drafted tokens, padded with weight 0
-        rows = gather_rows(law, drafted).masked_fill(~drafted.real, 0)  # (M',)
+        rows = gather_rows(law, drafted)  # (M',)
         prev = gather_rows(ids.gather(1, before).view_as(at), drafted)  # the token before each drafted one
         picked, slot = gather_rows(hidden, drafted), gather_rows(slots.expand_as(at), drafted)
         weight = torch.exp(-(slot - first).float() / h.decay_gamma) * drafted.real

@@ -240,21 +240,22 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
     def _target_table(self, final: torch.Tensor, carries: torch.Tensor, with_top1: bool) -> tuple[torch.Tensor, ...]:
         """Target distributions at every position that carries loss in any step, computed once.
 
-        Returns row (B, T+1) → table row (-1 where none), p (M', V or Vd; M' ≥ M rows, `bucketed_rows`), for metrics the target's
-        full-vocabulary argmax (M,) and the share of the target's law a pruned draft vocabulary holds (M,;
-        None for a full one). p is renormalised over a pruned vocabulary (the distillation target); p · mass
+        Returns row (B, T+1) → table row (-1 where none), p (M', V or Vd; the M positions, then padding to
+        M' rows, `bucketed_rows`), for metrics the target's full-vocabulary argmax (M',) and the share of the
+        target's law a pruned draft vocabulary holds (M',; None for a full one). p is renormalised over a pruned vocabulary (the distillation target); p · mass
         is the target's own law on it, which a drafted token is accepted against: Σ min(p · mass, q) is the
         acceptance at T = 1. The metrics' extra costs one pass of the full head, which they need for the
         argmax anyway; a training step never pays it.
         """
         need = carries.clone()
         need[:, 0] = False  # position 0 is never predicted
+        at = bucketed_rows(need)
         row = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
-        row[need] = torch.arange(int(need.sum()), device=need.device)
-        feats = gather_rows(final, bucketed_rows(need))  # (M', H): the M positions in order, then padding
+        row.view(-1)[at.index[:at.n]] = torch.arange(at.n, device=need.device)
+        feats = gather_rows(final, at)  # (M', H)
         rows = self.drafter.draft_to_target
         weight = self.target_head.weight if rows is None else self.target_head.weight[rows]
-        z = soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float()  # (M, V or Vd)
+        z = soft_cap(feats.to(weight.dtype) @ weight.T, self.softcap).float()  # (M', V or Vd)
         p = torch.softmax(z, dim=-1)
         top1 = mass = None
         if rows is None:
@@ -292,11 +293,11 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
             sel = anchors & shift(carries, j, t)  # (B, T)
             if kept is not None and kept.mask[j] is not None:  # COD sampling: the anchors step j ran at
                 sel = sel & kept.mask[j]
-            if not sel.any():
+            at = bucketed_rows(sel)  # the N selected anchors, padded with the first; `every` marks the real ones
+            if not at.n:
                 continue
-            at = bucketed_rows(sel)  # the N selected anchors, padded; `every` marks the real ones
             every = at.real
-            rows = gather_rows(shift(row, j, t), at).masked_fill(~every, 0)  # (N',) table rows of f_{t+1+j}
+            rows = gather_rows(shift(row, j, t), at)  # (N',) table rows of f_{t+1+j}
             picked = gather_rows(hidden, at)  # (N', H)
             x = self.drafter.head_input(picked)
             if j < h.alignment_steps:  # a trained step
