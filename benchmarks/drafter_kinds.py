@@ -1,6 +1,6 @@
 """The drafter kinds against each other: the same features, the same training wall time, one run.
 
-Six arms train on the embedded default's 800-chat features (runs/smollm2-135m/features-sharegpt-800,
+Six arms train on the eagle3-cpu recipe's features (2,400 chats, runs/smollm2-135m/features-sharegpt-2400,
 extracted first when missing): eagle3 (recipes/smollm2-135m/eagle3-cpu.yaml as it is), eagle31 (the same
 with EAGLE-3.1's fc_norm and norm_output), eagle3_lk (the same drafter trained on the log
 acceptance-direct loss −log α alone, no cross-entropy: of the three forms the one that raised the T = 1
