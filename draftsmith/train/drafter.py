@@ -242,10 +242,10 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
 
         Returns row (B, T+1) → table row (-1 where none), p (M', V or Vd; the M positions, then padding to
         M' rows, `bucketed_rows`), for metrics the target's full-vocabulary argmax (M',) and the share of the
-        target's law a pruned draft vocabulary holds (M',; None for a full one). p is renormalised over a pruned vocabulary (the distillation target); p · mass
-        is the target's own law on it, which a drafted token is accepted against: Σ min(p · mass, q) is the
-        acceptance at T = 1. The metrics' extra costs one pass of the full head, which they need for the
-        argmax anyway; a training step never pays it.
+        target's law a pruned draft vocabulary holds (M',; None for a full one). p is renormalised over a
+        pruned vocabulary (the distillation target); p · mass is the target's own law on it, which a drafted
+        token is accepted against: Σ min(p · mass, q) is the acceptance at T = 1. The metrics' extra costs one
+        pass of the full head, which they need for the argmax anyway; a training step never pays it.
         """
         need = carries.clone()
         need[:, 0] = False  # position 0 is never predicted
