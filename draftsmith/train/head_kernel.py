@@ -9,9 +9,12 @@ Notation: N rows, H hidden, V vocab.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 HEAD_CHUNK = 256  # rows per matmul when a head's (rows, V) logits are computed piecewise
+CHUNK_FLOATS = 4 << 20  # a small head's chunks grow to this many logits: fewer products and gradient casts
 CACHE_BYTES = 3 << 20  # what the element-wise passes over float logits may keep in cache at a time
 CACHE_FLOATS = CACHE_BYTES // 4  # float32 logits in that budget: cache_rows divides it by the vocabulary
 
@@ -22,6 +25,36 @@ def cache_rows(vocab: int, device: torch.device) -> int:
     if device.type != "cpu":
         return 1 << 30
     return max(1, CACHE_FLOATS // vocab)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows a chunk of logits holds: HEAD_CHUNK, or more for a head small enough that more fit CHUNK_FLOATS."""
+    return max(HEAD_CHUNK, CHUNK_FLOATS // vocab)
+
+
+class _Casts:
+    """The weights' casts to the matmul dtype, kept while the weight is unchanged (its version counter): a
+    step's forward and backward passes, and every training-time-test step, share one cast of the head. On a
+    CPU only: there the cast of a head costs about what a chunk's product does; on an accelerator it is cheap."""
+
+    def __init__(self, size: int = 4):
+        self.size, self.entries = size, {}
+
+    def __call__(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if weight.dtype == dtype or weight.device.type != "cpu":
+            return weight.to(dtype)
+        key = (id(weight), dtype)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[2]
+        cast = weight.detach().to(dtype)
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (weakref.ref(weight), weight._version, cast)
+        return cast
+
+
+cast_weight = _Casts()
 
 
 def blocks(n: int, size: int):
@@ -38,7 +71,7 @@ class _HeadLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
-        xc, wc, acc = x.to(dtype), weight.to(dtype), torch.promote_types(dtype, torch.float32)
+        xc, wc, acc = x.to(dtype), cast_weight(weight, dtype), torch.promote_types(dtype, torch.float32)
         out, rows = torch.empty(len(x), dtype=acc, device=x.device), cache_rows(len(weight), weight.device)
         for a, b in blocks(len(x), chunk):
             z = xc[a:b] @ wc.T
@@ -51,7 +84,7 @@ class _HeadLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, lse = ctx.saved_tensors
-        xc, wc = x.to(ctx.dtype), weight.to(ctx.dtype)
+        xc, wc = x.to(ctx.dtype), cast_weight(weight, ctx.dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
@@ -74,8 +107,9 @@ def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(x.dtype, weight.dtype)
 
 
-def head_logsumexp(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
-    """logsumexp(x Wᵀ, -1) (N,), at least float32; the matmuls run in the autocast dtype when autocast is on."""
-    dtype = matmul_dtype(x, weight)
+def head_logsumexp(x: torch.Tensor, weight: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """logsumexp(x Wᵀ, -1) (N,), at least float32; the matmuls run in the autocast dtype when autocast is on.
+    `chunk`: rows per product, `chunk_rows` of the vocabulary by default."""
+    dtype, chunk = matmul_dtype(x, weight), chunk or chunk_rows(len(weight))
     with torch.autocast(x.device.type, enabled=False):
         return _HeadLogSumExp.apply(x, weight, dtype, chunk)

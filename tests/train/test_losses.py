@@ -115,6 +115,30 @@ def test_chunked_head_logsumexp_matches_autograd_of_the_plain_one(cache_floats):
         assert head_logsumexp(x.float(), frozen.float()).dtype == torch.float32
 
 
+def test_a_head_is_cast_once_until_the_optimizer_changes_it():
+    from draftsmith.train.head_kernel import cast_weight
+
+    w = torch.nn.Parameter(torch.randn(50, 8))
+    x = torch.randn(37, 8)
+    first = cast_weight(w, torch.bfloat16)
+    assert cast_weight(w, torch.bfloat16) is first  # the forward, the backward and every step share it
+    with torch.no_grad():
+        w.add_(1.0)  # what an optimizer step does to it
+    again = cast_weight(w, torch.bfloat16)
+    assert again is not first and torch.equal(again, w.detach().to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the loss after the update reads the new weights
+        got = head_logsumexp(x, w)
+    torch.testing.assert_close(got, torch.logsumexp(x.bfloat16().float() @ again.float().T, -1), atol=0.05, rtol=0)
+    assert cast_weight(w, torch.float32) is w
+
+
+def test_a_small_head_takes_its_rows_in_fewer_chunks():
+    from draftsmith.train.head_kernel import CHUNK_FLOATS, HEAD_CHUNK, chunk_rows
+
+    assert chunk_rows(49152) == HEAD_CHUNK  # a full vocabulary: 256 rows of logits a product
+    assert chunk_rows(4096) == CHUNK_FLOATS // 4096 == 1024  # a draft vocabulary: a 1024-token batch at once
+
+
 def test_row_blocks_are_for_cpu_caches_only():
     from draftsmith.train.head_kernel import CACHE_FLOATS, cache_rows
 
