@@ -224,7 +224,7 @@ DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.prompts import load_prompts
@@ -236,6 +236,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.runtime.policies import HEAD_POLICIES, Static
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.progress import Bars
 
     console = console or Console(stderr=True)
     if cfg.mode != "exact" and cfg.drafter is None:
@@ -280,7 +281,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []
     load_before = _load_average()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2 * len(rules) + len(chats))
 

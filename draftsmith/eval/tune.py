@@ -132,7 +132,7 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
 def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.prompts import load_prompts
@@ -142,6 +142,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import make_policy
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.progress import Bars
 
     console = console or Console(stderr=True)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
@@ -163,7 +164,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed, tree=tree)  # warm-up
     rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}
     taus: dict[tuple[float, int], float] = {}
-    with Progress(TextColumn("[bold]tune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Bars(TextColumn("[bold]tune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(cfg.policy, total=len(grid) * cfg.repeats)
         for r in range(cfg.repeats):

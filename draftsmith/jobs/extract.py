@@ -153,7 +153,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     """Extract features into `cfg.out`, resuming from finished shards; returns the manifest."""
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
@@ -161,6 +161,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.data.shards import claim_directory, recorded, remove_stale
     from draftsmith.models.target import load_target
     from draftsmith.models.precision import resolve_dtype
+    from draftsmith.progress import Bars
 
     out = Path(cfg.out)
     # one type for the whole directory: an interrupted run's, else the one chosen here, before the workers
@@ -219,19 +220,19 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     mine = sum(sizes[p] for p in todo)
 
     started, tokens = time.perf_counter(), 0
-    progress = Progress(
+    progress = Bars(
         TextColumn("[bold]extract[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("conversations"),
-        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
         console=console, disable=rank != 0, transient=False,
     )
     with progress:
-        task = progress.add_task("extract", total=mine, rate="-")
+        task = progress.add_task("extract", total=mine, rate="- tok/s")
 
         def on_batch(n_conv: int, n_tok: int) -> None:
             nonlocal tokens
             tokens += n_tok
             rate = tokens / max(time.perf_counter() - started, 1e-9)
-            progress.update(task, advance=n_conv, rate=f"{rate:,.0f}")
+            progress.update(task, advance=n_conv, rate=f"{rate:,.0f} tok/s")
 
         for p in todo:
             part = convs[p * cfg.shard_size : (p + 1) * cfg.shard_size]

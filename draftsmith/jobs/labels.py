@@ -152,7 +152,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     from collections import Counter
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.data.chat import MaskAudit, tokenize_many
     from draftsmith.data.conversations import load_conversations
@@ -163,6 +163,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.models.target import load_target
     from draftsmith.models.precision import resolve_dtype
     from draftsmith.runtime.runner import TargetRunner
+    from draftsmith.progress import Bars
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
@@ -190,10 +191,10 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     todo = [p for p in range(num_parts) if not (out / shard_name(p)).exists()]
     first = 1 if proposer.needs_features else 0  # a feature drafter's chain needs one anchor before it
     started, rows_done = time.perf_counter(), 0
-    with Progress(TextColumn("[bold]labels[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("conversations"),
-                  TextColumn("{task.fields[rate]} rows/s"), TimeElapsedColumn(), console=console) as progress:
+    with Bars(TextColumn("[bold]labels[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("conversations"),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("labels", total=sum(min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in todo),
-                                 rate="-")
+                                 rate="- rows/s")
         for p in todo:
             part = convs[p * cfg.shard_size: (p + 1) * cfg.shard_size]
             skipped, truncated, audit = Counter(), Counter(), MaskAudit()
@@ -208,7 +209,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
                                                      cfg.chain, g)))
                     rows_done += len(positions) * cfg.k
                 rate = rows_done / max(time.perf_counter() - started, 1e-9)
-                progress.update(task, advance=1, rate=f"{rate:,.0f}")
+                progress.update(task, advance=1, rate=f"{rate:,.0f} rows/s")
             write_label_shard(out, p, done, {"skipped": dict(skipped), "truncated": dict(truncated)},
                               getattr(torch, cfg.hidden_dtype))
     manifest = label_manifest(out, num_parts, run)

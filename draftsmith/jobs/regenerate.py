@@ -200,11 +200,12 @@ def regenerate_chunk(answerer: Any, prompt_ids: Callable[[list[dict]], list[int]
 def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     """Answer the chats with the target and append them to cfg.out; returns the run's summary."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from draftsmith.data.conversations import load_conversations
     from draftsmith.models.target import encode_chat, load_tokenizer
     from draftsmith.models.tokenizer import tokenizer_hash
+    from draftsmith.progress import Bars
 
     console = console or Console(stderr=True)
     out = Path(cfg.out)
@@ -221,7 +222,7 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     answerer = _answerer(cfg, tokenizer, console) if todo else None
     prompt_ids = partial(encode_chat, tokenizer)
     start = time.perf_counter()
-    with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Bars(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("regenerate", total=len(convs), completed=len(convs) - len(todo))
         for c in range(0, len(todo), cfg.chunk):

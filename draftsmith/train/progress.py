@@ -11,12 +11,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from draftsmith.progress import clock
 from draftsmith.train.optim import budget_timer
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
 
 
 class ProgressLog(pl.Callback):
@@ -40,7 +36,7 @@ class ProgressLog(pl.Callback):
         budget = f"{trainer.max_steps} steps" if trainer.max_steps > 0 else None
         timer = budget_timer(trainer)
         if timer is not None:
-            limit = _clock(round(timer.time_elapsed() + timer.time_remaining()))
+            limit = clock(round(timer.time_elapsed() + timer.time_remaining()))
             budget = f"{budget} or {limit}, whichever ends first" if budget else limit
         self._write(f"training {type(pl_module).__name__} for {budget or 'the epochs set'} ({self.path})")
 
@@ -55,12 +51,12 @@ class ProgressLog(pl.Callback):
         by_steps = elapsed / step * (total - step) if step and total and total > 0 else None
         by_time = timer.time_remaining() if timer is not None else None
         remaining = [t for t in (by_steps, by_time) if t is not None]
-        left = f", ~{_clock(max(min(remaining), 0.0))} left" if remaining else ""
+        left = f", ~{clock(max(min(remaining), 0.0))} left" if remaining else ""
         loss = trainer.callback_metrics.get("train/loss")
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         parts = [f"step {step}/{total}" if total and total > 0 else f"step {step}",
                  f"loss {float(loss):.4f}" if loss is not None else None,
-                 f"lr {lr:.2e}" if lr is not None else None, f"{_clock(elapsed)} elapsed{left}"]
+                 f"lr {lr:.2e}" if lr is not None else None, f"{clock(elapsed)} elapsed{left}"]
         self._write("  ".join(p for p in parts if p))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -68,13 +64,13 @@ class ProgressLog(pl.Callback):
             return
         metrics = trainer.callback_metrics
         shown = [k for k in ("val/loss", "val/tau", "val/tau_t1", "val/confidence_auroc") if k in metrics]
-        elapsed = _clock(time.perf_counter() - self.start)
+        elapsed = clock(time.perf_counter() - self.start)
         self._write(f"step {trainer.global_step} validation at {elapsed}: "
                     + "  ".join(f"{k} {float(metrics[k]):.4f}" for k in shown))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.path is not None:
-            self._write(f"done: {trainer.global_step} steps in {_clock(time.perf_counter() - self.start)}")
+            self._write(f"done: {trainer.global_step} steps in {clock(time.perf_counter() - self.start)}")
 
     def _write(self, line: str) -> None:
         stamped = f"{time.strftime('%H:%M:%S')} {line}"
