@@ -132,11 +132,18 @@ def test_a_head_is_cast_once_until_the_optimizer_changes_it():
     assert cast_weight(w, torch.float32) is w
 
 
-def test_a_small_head_takes_its_rows_in_fewer_chunks():
+def test_a_small_head_takes_its_rows_in_fewer_chunks(monkeypatch):
+    from draftsmith.train import head_kernel
     from draftsmith.train.head_kernel import CHUNK_FLOATS, HEAD_CHUNK, chunk_rows
 
     assert chunk_rows(49152) == HEAD_CHUNK  # a full vocabulary: 256 rows of logits a product
     assert chunk_rows(4096) == CHUNK_FLOATS // 4096 == 1024  # a draft vocabulary: a 1024-token batch at once
+    chunks = []
+    apply = head_kernel._HeadLogSumExp.apply
+    monkeypatch.setattr(head_kernel._HeadLogSumExp, "apply", lambda *a: chunks.append(a[-1]) or apply(*a))
+    head_logsumexp(torch.randn(4, 8), torch.randn(4096, 8))
+    head_logsumexp(torch.randn(4, 8), torch.randn(49152, 8))
+    assert chunks == [1024, HEAD_CHUNK]  # what the loss runs with by default
 
 
 def test_row_blocks_are_for_cpu_caches_only():
