@@ -23,17 +23,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from harness import alternate, clock_seconds, newest_train_log, parser, print_result
 
 ROOT = Path(__file__).resolve().parent.parent
+ARMS = {  # what each arm changes before `fit` starts
+    "exact": "from draftsmith.data import modules\nfrom draftsmith.train import alignment\n"
+             "modules.PAD_MULTIPLE = alignment.ROW_MULTIPLE = 1",
+    "padded": "",
+}
 FIT = """
 import sys
-arm = sys.argv.pop(1)
-if arm == "exact":
-    from draftsmith.data import modules
-    from draftsmith.train import alignment
-    modules.PAD_MULTIPLE = alignment.ROW_MULTIPLE = 1
 from draftsmith.train.cli import lightning_cli
 cli = lightning_cli(sys.argv[1:], run=False)
 cli.trainer.fit(cli.model, cli.datamodule)
@@ -41,12 +42,13 @@ cli.trainer.fit(cli.model, cli.datamodule)
 DONE = re.compile(r"done: (\d+) steps in ([0-9:]+)")
 
 
-def fit(arm: str, recipe: str, steps: int, root: Path) -> float:
-    """Seconds a step of one `fit` of `steps` steps (no validation)."""
-    args = [sys.executable, "-c", FIT, arm, "--config", recipe, "--trainer.max_steps", str(steps),
+def fit(setup: str, recipe: str, steps: int, root: Path, overrides: Sequence[str] = ()) -> float:
+    """Seconds a step of one `fit` of `steps` steps (no validation), in a process that first runs `setup`;
+    `overrides`: more of `fit`'s arguments (`--data.init_args.features_dir DIR`, ...)."""
+    args = [sys.executable, "-c", setup + "\n" + FIT, "--config", recipe, "--trainer.max_steps", str(steps),
             "--trainer.max_time", "null", "--trainer.val_check_interval", str(steps + 1),
             "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(root),
-            "--trainer.enable_progress_bar", "false"]
+            "--trainer.enable_progress_bar", "false", *overrides]
     done = subprocess.run(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"fit failed ({done.returncode}): {' '.join(args)}\n{done.stderr[-3000:]}")
@@ -62,8 +64,8 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         runs = itertools.count()
-        results = alternate({arm: (lambda arm=arm: fit(arm, args.recipe, args.steps, Path(tmp) / f"run{next(runs)}"))
-                             for arm in ("exact", "padded")}, args.passes)
+        results = alternate({arm: (lambda arm=arm: fit(ARMS[arm], args.recipe, args.steps,
+                                                       Path(tmp) / f"run{next(runs)}")) for arm in ARMS}, args.passes)
     step = {arm: statistics.median(values) for arm, values in results.items()}
     print_result({"s_per_step_exact": f"{step['exact']:.3f}", "s_per_step_padded": f"{step['padded']:.3f}",
                   "speedup": f"{step['exact'] / step['padded']:.3f}", "steps": args.steps})

@@ -2,9 +2,10 @@
 
 Step 0 feeds target features at every anchor; step j feeds the drafter's own step j−1 outputs at the
 same anchors (P-EAGLE: its mask inputs), tokens shifted by j, and attends to step-0 keys causally plus
-its own chain's keys of steps 1..j (`models.common.alignment_mask`). Keys accumulate in one buffer, so
-step j costs one pass over T anchors, not j+1 copies of the sequence. P-EAGLE's COD sampling runs its
-parallel steps at a nested sample of the anchors instead.
+its own chain's keys of steps 1..j (`models.common.alignment_mask`; run without the dense mask by
+`train.attention`). Keys accumulate in one buffer, so step j costs one pass over T anchors, not j+1
+copies of the sequence. P-EAGLE's COD sampling runs its parallel steps at a nested sample of the anchors
+instead.
 
 Notation: B batch, T anchors, H hidden, S_j the anchors step j keeps.
 """
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.models.common import KVBuffer, alignment_mask
+from draftsmith.train.attention import AlignmentAttention, StepMask
 
 
 ROW_MULTIPLE = 64  # rows a loss gathers are padded to a multiple of this (`bucketed_rows`)
@@ -103,16 +105,20 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     positions = torch.arange(t, device=ids.device)[None].expand(b, t)
     cache, hiddens = KVBuffer(), []
     parallel = drafter.parallel
-    for j in range(steps):
-        tokens, index = shift(ids, j, t), (kept.index[j] if kept is not None and parallel else None)
-        if parallel and j > 0:
-            tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
-        elif detach and j > 0:
-            feature = feature.detach()
-        at, queries = (positions, None) if index is None else (index, kept.index)
-        out = drafter(tokens, feature, at + j, alignment_mask(anchors, j, queries), cache)  # (B, T or S_j, H)
-        if index is not None:  # the kept anchors' rows back in place
-            out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
-        hiddens.append(out)
-        feature = out
+    with AlignmentAttention(drafter):
+        for j in range(steps):
+            tokens, index = shift(ids, j, t), (kept.index[j] if kept is not None and parallel else None)
+            if parallel and j > 0:
+                tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
+            elif detach and j > 0:
+                feature = feature.detach()
+            if index is None:  # every anchor: the attention takes the mask's structure, not its T × (j+1)·T
+                at, mask = positions, StepMask(anchors, j)
+            else:
+                at, mask = index, alignment_mask(anchors, j, kept.index)
+            out = drafter(tokens, feature, at + j, mask, cache)  # (B, T or S_j, H)
+            if index is not None:  # the kept anchors' rows back in place
+                out = out.new_zeros(b, t, out.shape[-1]).scatter(1, index[..., None].expand_as(out), out)
+            hiddens.append(out)
+            feature = out
     return hiddens
