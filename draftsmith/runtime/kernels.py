@@ -33,6 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.models.common import additive_mask, grouped_query_sdpa
 from draftsmith.models.packing import pack, packable, packed_linear
+from draftsmith.models.switches import AttentionSwitch, Switch
 
 MIN_PACKED_SIZE = 1 << 16  # weights per linear from which packing pays on the CPUs measured
 
@@ -43,27 +44,6 @@ def _forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.
     if torch.compiler.is_compiling():
         return torch.ops.draftsmith.packed_linear(x, packed, module.bias, module.out_features)
     return packed_linear(x, packed, module.bias)
-
-
-class Switch:
-    """A nestable context that switches something on at the outermost entry and off at its exit."""
-
-    depth = 0
-
-    def on(self) -> None: ...
-
-    def off(self) -> None: ...
-
-    def __enter__(self):
-        if self.depth == 0:
-            self.on()
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            self.off()
 
 
 class PackedLinears(Switch):
@@ -203,30 +183,10 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
-def _register_decode_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-
-
-class DecodeAttention(Switch):
+class DecodeAttention(AttentionSwitch):
     """`with DecodeAttention(model, ...):` the modules' SDPA attention runs as `decode_attention`
     (their configs name it for the duration of the call); nested uses are fine. Off when `enabled`
     is False or no config of the modules uses transformers' SDPA attention."""
 
     def __init__(self, *modules: nn.Module, enabled: bool = True):
-        configs = {id(c): c for module in modules for m in module.modules()
-                   if getattr(c := getattr(m, "config", None), "_attn_implementation", None) == "sdpa"}
-        self.configs = list(configs.values()) if enabled else []
-        if self.configs:
-            _register_decode_attention()
-
-    def on(self) -> None:
-        for config in self.configs:  # this config only (its setter would recurse into sub-configs)
-            config._attn_implementation_internal = DECODE_ATTENTION
-
-    def off(self) -> None:
-        for config in self.configs:
-            config._attn_implementation_internal = "sdpa"
+        super().__init__(DECODE_ATTENTION, decode_attention, *modules, enabled=enabled)

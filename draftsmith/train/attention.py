@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.models.common import alignment_mask
+from draftsmith.models.switches import AttentionSwitch
 
 ALIGNMENT_ATTENTION = "draftsmith_alignment"
 
@@ -94,7 +95,7 @@ def merged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if step == 0:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
     own = (b, h, step, t, d)
-    kd = key[:, :, t:].reshape(b, h, step, t, d)
+    kd = key[:, :, t:].reshape(own)
     vd = value[:, :, t:].reshape(own)
     return MergedAttention.apply(query, key[:, :, :t], value[:, :, :t], kd, vd, scale)
 
@@ -120,27 +121,9 @@ def alignment_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                                   **kwargs)
 
 
-class AlignmentAttention:
+class AlignmentAttention(AttentionSwitch):
     """`with AlignmentAttention(drafter):` the drafter's SDPA attention runs as `alignment_attention` (its
     config names it for the duration); nested uses are fine."""
 
     def __init__(self, module: nn.Module):
-        configs = {id(c): c for m in module.modules()
-                   if getattr(c := getattr(m, "config", None), "_attn_implementation", None) in ("sdpa",
-                                                                                                 ALIGNMENT_ATTENTION)}
-        self.configs = list(configs.values())
-        self.before: list[str] = []
-        if self.configs:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register(ALIGNMENT_ATTENTION, alignment_attention)
-
-    def __enter__(self) -> "AlignmentAttention":
-        self.before = [c._attn_implementation for c in self.configs]
-        for config in self.configs:  # this config only (its setter would recurse into sub-configs)
-            config._attn_implementation_internal = ALIGNMENT_ATTENTION
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for config, name in zip(self.configs, self.before):
-            config._attn_implementation_internal = name
+        super().__init__(ALIGNMENT_ATTENTION, alignment_attention, module)
