@@ -17,15 +17,12 @@ recipe's steps (benchmarks/step_shapes.py), alternating over `--passes`. Ends wi
 
 from __future__ import annotations
 
-import itertools
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 
-from harness import alternate, median_ms, parser, print_result
-from step_shapes import fit
+from harness import alternate, median_ms, print_result
+from step_shapes import fit_arguments, step_seconds
 
 ARMS = {
     "dense": "from draftsmith.train.attention import StepMask\nStepMask.right_padded = lambda self: False",
@@ -56,20 +53,10 @@ def attention_ms(dense: bool, rows: int = 2, length: int = 511, heads: int = 9, 
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--recipe", default="recipes/smollm2-135m/eagle3-cpu.yaml")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--passes", type=int, default=1)
-    p.add_argument("overrides", nargs="*", help="more `fit` arguments, after --: --data.init_args.features_dir DIR ...")
-    args = p.parse_args()
+    args = fit_arguments(__doc__, 200, overrides=True).parse_args()
     attn = alternate({"dense": lambda: attention_ms(True), "merged": lambda: attention_ms(False)}, 3)
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = itertools.count()
-        def arm_fit(arm: str) -> float:
-            return fit(ARMS[arm], args.recipe, args.steps, Path(tmp) / f"run{next(runs)}", args.overrides)
-
-        results = alternate({arm: (lambda arm=arm: arm_fit(arm)) for arm in ARMS}, args.passes)
-    step = {arm: statistics.median(values) for arm, values in results.items()}
+    step = step_seconds({arm: (setup, args.overrides) for arm, setup in ARMS.items()}, args.recipe, args.steps,
+                        args.passes)
     ms = {arm: statistics.median(values) for arm, values in attn.items()}
     print_result({"attn_ms_dense": f"{ms['dense']:.1f}", "attn_ms_merged": f"{ms['merged']:.1f}",
                   "s_per_step_dense": f"{step['dense']:.3f}", "s_per_step_merged": f"{step['merged']:.3f}",

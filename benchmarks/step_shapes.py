@@ -16,6 +16,7 @@ cache), the recipe's own steps, its seconds a step read from `train.log`; the ar
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 import statistics
@@ -56,17 +57,35 @@ def fit(setup: str, recipe: str, steps: int, root: Path, overrides: Sequence[str
     return clock_seconds(m[2]) / int(m[1])
 
 
-def main() -> None:
-    p = parser(__doc__)
+def fit_arguments(doc: str | None, steps: int, overrides: bool = False) -> argparse.ArgumentParser:
+    """The harness's parser with the options every step-timing script takes (`overrides`: more `fit`
+    arguments after --)."""
+    p = parser(doc)
     p.add_argument("--recipe", default="recipes/smollm2-135m/eagle3-cpu.yaml")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--passes", type=int, default=1)
-    args = p.parse_args()
+    if overrides:
+        p.add_argument("overrides", nargs="*",
+                       help="more `fit` arguments, after --: --data.init_args.features_dir DIR ...")
+    return p
+
+
+def step_seconds(arms: dict[str, tuple[str, Sequence[str]]], recipe: str, steps: int, passes: int) -> dict[str, float]:
+    """Median seconds a step of each arm, given as (set-up code, more `fit` arguments): each run its own `fit`
+    process, the arms alternating over `passes`."""
     with tempfile.TemporaryDirectory() as tmp:
         runs = itertools.count()
-        results = alternate({arm: (lambda arm=arm: fit(ARMS[arm], args.recipe, args.steps,
-                                                       Path(tmp) / f"run{next(runs)}")) for arm in ARMS}, args.passes)
-    step = {arm: statistics.median(values) for arm, values in results.items()}
+
+        def run(setup: str, extra: Sequence[str]) -> float:
+            return fit(setup, recipe, steps, Path(tmp) / f"run{next(runs)}", extra)
+
+        results = alternate({arm: (lambda arm=arm: run(*arms[arm])) for arm in arms}, passes)
+    return {arm: statistics.median(values) for arm, values in results.items()}
+
+
+def main() -> None:
+    args = fit_arguments(__doc__, 300).parse_args()
+    step = step_seconds({arm: (setup, ()) for arm, setup in ARMS.items()}, args.recipe, args.steps, args.passes)
     print_result({"s_per_step_exact": f"{step['exact']:.3f}", "s_per_step_padded": f"{step['padded']:.3f}",
                   "speedup": f"{step['exact'] / step['padded']:.3f}", "steps": args.steps})
 

@@ -89,14 +89,18 @@ def _choose(device: str, work: Work) -> str:
         choice, reason = "bfloat16", f"the default on {device}"
     else:
         speed = bf16_speed(work)
-        faster = speed >= BF16_MARGIN if work == "decode" else speed * FLOAT32_MARGIN >= 1
-        choice = "bfloat16" if faster else "float32"
+        choice = "bfloat16" if prefers_bf16(speed, work) else "float32"
         what = "a 512-row product" if work == "bulk" else "a decoding step's products"
         reason = f"in bf16 {what} ran at {speed:.2f}x float32's speed on this CPU"
     print(f"dtype auto: {choice} for {'training and extraction' if work == 'bulk' else 'decoding'} ({reason})",
           file=sys.stderr)
     os.environ[env_name(device, work)] = choice
     return choice
+
+
+def prefers_bf16(speed: float, work: Work) -> bool:
+    """Whether `auto` takes bf16 for `work` on a CPU where it runs at `speed` times float32's speed."""
+    return speed >= BF16_MARGIN if work == "decode" else speed * FLOAT32_MARGIN >= 1
 
 
 def env_name(device: str, work: Work) -> str:
