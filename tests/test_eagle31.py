@@ -55,3 +55,25 @@ def test_eagle31_options_are_checked():
     drafter = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, norm_output=True)
     hidden = drafter(torch.tensor([[1, 2]]), torch.randn(1, 2, 32), torch.arange(2)[None], None)
     assert torch.allclose(hidden, drafter.norm(hidden), atol=1e-5)  # fed back normed: the head reads it as it is
+
+
+@pytest.mark.parametrize("options", [{"norm_output": True}, {"fc_norm": True, "norm_output": True}])
+def test_eagle31_trains_its_steps_under_bf16_autocast(options):
+    """Under bf16-mixed training (what `--precision auto` picks on a bf16 CPU) the normed output fed back
+    as the next step's feature keeps the step-0 feature's dtype: its keys join step 0's in one buffer."""
+    from transformers import LlamaConfig
+
+    from draftsmith.models.eagle3 import Eagle3Drafter
+    from draftsmith.train.alignment import alignment_hiddens
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=50, num_hidden_layers=2)
+    w = torch.randn(50, 32)
+    drafter = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, **options)
+    ids, anchors = torch.randint(0, 50, (2, 9)), torch.ones(2, 8, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        feature = drafter.project(None, torch.randn(2, 8, 96))
+        hiddens = alignment_hiddens(drafter, ids, feature, anchors, steps=3)
+        loss = sum(drafter.logits(h).float().logsumexp(-1).mean() for h in hiddens)
+    loss.backward()
+    assert {h.dtype for h in hiddens} == {feature.dtype} and drafter.fc.weight.grad is not None

@@ -134,7 +134,9 @@ class Eagle3Drafter(nn.Module):
         """(B, T) tokens x_{t+1}, (B, T, H) fused or fed-back features → (B, T, H) hidden."""
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
         hidden = self.layer(embeds, feature, attention_mask, position_ids, self.rotary(feature, position_ids), cache)
-        return self.norm(hidden) if self.options["norm_output"] else hidden
+        # normed for the next step in the dtype it came in: under autocast the norm's float32 weight would
+        # promote it, and the next step's keys (their rotary in the feature's dtype) would not join this one's
+        return self.norm(hidden).to(hidden.dtype) if self.options["norm_output"] else hidden
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head multiplies: the drafter's own final norm of its hidden state (with `norm_output`
