@@ -70,6 +70,16 @@ def make_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_drafter_inputs(vocab_size: int = 50, hidden: int = 32):
+    """(config, weight): a two-layer Llama config and a (vocab, hidden) table, what a drafter's `from_target`
+    reads for its embedding and head, with no target model built."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab_size, num_hidden_layers=2)
+    return config, torch.randn(vocab_size, hidden)
+
+
 def save_tiny_target(path: Path, template: str = CHATML, seed: int = 0, hidden: int = 32) -> Path:
     tokenizer = make_tokenizer(template)
     model = make_llama(len(tokenizer), seed=seed, hidden=hidden)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
-from tests.conftest import assert_same_step, run_cli, step_and_validate
+from tests.conftest import assert_same_step, run_cli, step_and_validate, tiny_drafter_inputs
 
 
 def evaluate(features, drafter, out, *args):
@@ -71,11 +71,7 @@ def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt,
         BlockDrafterModule(target=str(tiny_features / "target"), kind="eagle3")
     with pytest.raises(DraftsmithError, match="val_steps are EAGLE settings"):
         BlockDrafterModule(target=str(tiny_features / "target"), val_steps=3)
-    w = torch.randn(50, 32)
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=50, num_hidden_layers=2)
+    config, w = tiny_drafter_inputs()
     with pytest.raises(DraftsmithError, match="train kind dspark"):
         BlockDrafter.from_target(config, w, w, None, None, 3, 32, markov_rank=4)
     with pytest.raises(DraftsmithError, match="block_size must be >= 2"):

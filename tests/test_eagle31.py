@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import DraftsmithError
-from tests.conftest import run_cli, train
+from tests.conftest import run_cli, tiny_drafter_inputs, train
 
 
 @pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
@@ -38,14 +38,10 @@ def test_eagle31_trains_exports_and_decodes_the_targets_text(tiny_features, tmp_
 
 
 def test_eagle31_options_are_checked():
-    from transformers import LlamaConfig
-
     from draftsmith.models.eagle import EagleDrafter
     from draftsmith.models.eagle3 import Eagle3Drafter
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=50, num_hidden_layers=2)
-    w = torch.randn(50, 32)
+    config, w = tiny_drafter_inputs()
     with pytest.raises(DraftsmithError, match="exclude each other"):
         Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, fc_norm=True, norm_before_fc=True)
     with pytest.raises(DraftsmithError, match="unknown EAGLE-3 options"):
@@ -61,14 +57,10 @@ def test_eagle31_options_are_checked():
 def test_eagle31_trains_its_steps_under_bf16_autocast(options):
     """Under bf16-mixed training (what `--precision auto` picks on a bf16 CPU) the normed output fed back
     as the next step's feature keeps the step-0 feature's dtype: its keys join step 0's in one buffer."""
-    from transformers import LlamaConfig
-
     from draftsmith.models.eagle3 import Eagle3Drafter
     from draftsmith.train.alignment import alignment_hiddens
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=50, num_hidden_layers=2)
-    w = torch.randn(50, 32)
+    config, w = tiny_drafter_inputs()
     drafter = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, **options)
     ids, anchors = torch.randint(0, 50, (2, 9)), torch.ones(2, 8, dtype=torch.bool)
     with torch.autocast("cpu", dtype=torch.bfloat16):
