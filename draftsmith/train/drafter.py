@@ -28,7 +28,7 @@ from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import WarmupCosineAdamW
+from draftsmith.train.optim import OPTIMIZERS, WarmupCosineAdamW
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 
@@ -85,8 +85,10 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         init_layer: start the draft layer of an eagle3-family drafter from this target decoder layer (0-based,
             -1 the last; `models.common.start_from_target_layer_`) instead of a random one, a block drafter's n
             layers from the n target layers that end at it; None: random.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
+        optimizer: adamw, or muon: Muon on the draft layers' and fc's matrices, AdamW on the head, norms and
+            the rest (`train.optim.MuonAdamW`; one lr for both, Muon's steps scaled to AdamW's size).
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
         betas: AdamW betas.
         warmup_steps: linear warm-up steps, then cosine decay to min_lr_ratio * lr.
         min_lr_ratio: final learning rate as a fraction of lr.
@@ -109,7 +111,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
                  mask_token_id: int | None = None, down_sample_ratio: float = 1.0, down_sample_ratio_min: float = 0.2,
                  feature_noise: float = 0.0, init_layer: int | None = None,
-                 lr: float = 3e-4, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                 optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, metric_top_k: int = 5,
                  target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
@@ -129,6 +132,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                                   f"{entry.title} has none")
         if target_temperature <= 0:
             raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
+        if optimizer not in OPTIMIZERS:
+            raise DraftsmithError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         if acceptance_loss not in ACCEPTANCE_LOSSES:
             raise DraftsmithError(f"acceptance_loss must be one of {', '.join(ACCEPTANCE_LOSSES)}, got {acceptance_loss!r}")
         if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
@@ -145,6 +150,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         return drafter_kind(self.hparams.kind)
 
     # --- construction ----------------------------------------------------------------------------
+    def muon_parameters(self) -> list[torch.nn.Parameter]:
+        """The matrices Muon updates: the linear maps of fc and the draft layers (not the head, the norms,
+        DSpark's vocabulary-sized Markov tables or its confidence head)."""
+        return [m.weight for name, m in self.drafter.named_modules()
+                if isinstance(m, torch.nn.Linear) and (name == "fc" or name.startswith(("layer.", "layers.")))]
+
     def configure_model(self) -> None:
         if self.drafter is not None:
             return

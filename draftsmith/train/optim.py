@@ -1,5 +1,6 @@
-"""The optimizer every draftsmith recipe uses: AdamW, linear warm-up, cosine decay to a floor; the
-gradient clipping every training module uses; and `WarmupCosineAdamW`, which gives a module both.
+"""The optimizers draftsmith trains with: AdamW, or Muon on the hidden layers' matrices with AdamW on the
+rest (`MuonAdamW`), on one schedule (linear warm-up, cosine decay to a floor); the gradient clipping every
+training module uses; and `WarmupCosineAdamW`, which gives a module both.
 
 The learning rate rises linearly from 0 over `warmup_steps`, then follows half a cosine down to
 `min_lr_ratio · lr` at the end of training (transformers' `get_cosine_with_min_lr_schedule_with_warmup`
@@ -23,14 +24,96 @@ def cosine_factor(progress: float, min_lr_ratio: float) -> float:
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
+def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The matrix `update` orthogonalized: U S' V^T for its SVD U S V^T, S' near 1 (within about 0.7..1.2),
+    by Muon's quintic Newton–Schulz iteration X <- aX + (bA + cA^2)X, A = XX^T, (a, b, c) = (3.4445,
+    -4.7750, 2.0315) (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural networks"),
+    on the wide orientation of the matrix, in `dtype`."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.to(dtype)
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    x = x / x.norm().clamp_min(1e-7)  # the spectral norm at most 1, where the iteration converges
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x if wide else x.T
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (momentum, Nesterov, the update orthogonalized by `newton_schulz`) for the param groups marked
+    `muon`, AdamW for the others, in one optimizer, as Lightning's automatic optimization wants one.
+
+    A Muon matrix of shape (A, B) moves by lr · 0.2 · sqrt(max(A, B)) times its orthogonalized update,
+    which gives the update the root-mean-square of a typical AdamW step (Liu et al., 2025, "Muon is
+    Scalable for LLM Training"), so that one learning rate and schedule serve both kinds of group.
+    Weight decay is decoupled in both. `dtype` is the Newton–Schulz iteration's: bfloat16 where the
+    CPU or GPU multiplies it fast, float32 where it does not."""
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, momentum: float = 0.95, eps: float = 1e-8, ns_steps: int = 5,
+                 dtype: torch.dtype = torch.bfloat16):
+        for g in groups:
+            if g.get("muon") and any(p.ndim != 2 for p in g["params"]):
+                raise DraftsmithError("Muon updates matrices: a `muon` group holds a parameter that is not 2-D")
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, momentum=momentum,
+                                      eps=eps, ns_steps=ns_steps, muon=False))
+        self.ns_dtype = dtype
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            lr, wd = g["lr"], g["weight_decay"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                p.mul_(1 - lr * wd)
+                if g["muon"]:
+                    if not state:
+                        state["momentum"] = torch.zeros_like(p)
+                    buf = state["momentum"].lerp_(grad, 1 - g["momentum"])
+                    update = newton_schulz(grad.lerp(buf, g["momentum"]), g["ns_steps"], self.ns_dtype)
+                    p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                    continue
+                if not state:
+                    state["step"], state["exp_avg"], state["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                b1, b2 = g["betas"]
+                state["step"] += 1
+                state["exp_avg"].lerp_(grad, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** state["step"])).add_(g["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** state["step"]))
+        return loss
+
+
 def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_steps: float, warmup_steps: int,
                         min_lr_ratio: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                        spent: Callable[[], float] | None = None) -> dict[str, Any]:
+                        spent: Callable[[], float] | None = None,
+                        muon: Iterable[torch.nn.Parameter] | None = None,
+                        ns_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """What `configure_optimizers` returns; the schedule steps every optimizer step.
 
     spent: the share of a time budget spent so far (0..1); the cosine follows it instead of the steps
-    (`total_steps` is then unused)."""
-    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    (`total_steps` is then unused).
+    muon: the parameters (matrices among `params`) Muon updates; the others AdamW (`MuonAdamW`). None:
+    AdamW for all."""
+    params = [p for p in params if p.requires_grad]
+    if muon is None:
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    else:
+        mats = {id(p) for p in muon}
+        groups = [{"params": [p for p in params if id(p) in mats], "muon": True},
+                  {"params": [p for p in params if id(p) not in mats], "muon": False}]
+        opt = MuonAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, weight_decay=weight_decay,
+                        dtype=ns_dtype)
     decay_steps = max(1, int(total_steps) - warmup_steps) if spent is None else 1
 
     def factor(step: int) -> float:  # a plain function: LambdaLR keeps no state of it in a checkpoint
@@ -82,11 +165,16 @@ def clip_gradients(module: Any, optimizer: torch.optim.Optimizer, clip_val: floa
 class WarmupCosineAdamW:
     """Mixed into a training module ahead of `pl.LightningModule`: its `configure_optimizers` (AdamW over
     `trained_parameters()` on `adamw_warmup_cosine`'s schedule, from the hyper-parameters lr, warmup_steps,
-    min_lr_ratio, weight_decay and, where the module has it, betas; over steps or, where only max_time
-    bounds training, over time) and its `configure_gradient_clipping` (`clip_gradients`)."""
+    min_lr_ratio, weight_decay and, where the module has them, betas and optimizer; over steps or, where
+    only max_time bounds training, over time) and its `configure_gradient_clipping` (`clip_gradients`).
+    With the hyper-parameter `optimizer: muon`, `muon_parameters()` (a module that offers Muon defines
+    it) go to Muon and the rest to AdamW (`MuonAdamW`)."""
 
     def trained_parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.parameters()
+
+    def muon_parameters(self) -> list[torch.nn.Parameter]:
+        raise DraftsmithError(f"{type(self).__name__} trains with AdamW only")
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
@@ -95,5 +183,15 @@ class WarmupCosineAdamW:
     def configure_optimizers(self) -> dict[str, Any]:
         h, total = self.hparams, self.trainer.estimated_stepping_batches
         spent = time_spent(self.trainer) if math.isinf(total) else None
+        muon = None
+        if h.get("optimizer", "adamw") == "muon":
+            from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+
+            if isinstance(self.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
+                raise DraftsmithError("optimizer muon orthogonalizes whole matrices, which FSDP and DeepSpeed shard "
+                                      "across devices: train with DDP (`trainer.strategy: ddp`) or optimizer adamw")
+            muon = self.muon_parameters()
+        ns_dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
         return adamw_warmup_cosine(self.trained_parameters(), h.lr, total, h.warmup_steps,
-                                   h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent)
+                                   h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent,
+                                   muon=muon, ns_dtype=ns_dtype)

@@ -93,17 +93,21 @@ def test_sigterm_saves_the_last_checkpoint_and_says_so(tiny_features, tmp_path):
     assert ckpt["global_step"] == 3 and ckpt["FeatureDataModule"]["batches_done"] == 3
 
 
-def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_killed_mid_epoch_and_resumed_matches_uninterrupted(tiny_features, tmp_path, optimizer):
+    """Muon's momentum and AdamW's moments both travel in the checkpoint."""
+    chosen = ("--model.init_args.optimizer", optimizer)
     whole = recipe(tiny_features, tmp_path / "a")
-    result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8", here=True)
+    result = run_cli("fit", "--config", str(whole), "--trainer.max_steps", "8", *chosen, here=True)
     assert result.returncode == 0, result.stderr[-3000:]
     broken = recipe(tiny_features, tmp_path / "b")
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(broken), "--trainer.max_steps", "8"],
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_4, "--config", str(broken), "--trainer.max_steps", "8",
+                             *chosen], capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-3000:]
     ckpt = torch.load(tmp_path / "b" / "run" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 4 and ckpt["FeatureDataModule"]["batches_done"] == 4  # mid-epoch
-    resumed = run_cli("fit", "--config", str(broken), "--trainer.max_steps", "8", "--ckpt_path", "last", here=True)
+    resumed = run_cli("fit", "--config", str(broken), "--trainer.max_steps", "8", "--ckpt_path", "last", *chosen,
+                      here=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = trained_state(tmp_path / "a" / "run" / "ckpt" / "last.ckpt")
     b = trained_state(tmp_path / "b" / "run" / "ckpt" / "last.ckpt")

@@ -1,4 +1,4 @@
-"""The learning-rate schedule every recipe uses, at hand-computed points."""
+"""The learning-rate schedule every recipe uses, at hand-computed points; Muon beside AdamW."""
 
 import math
 import time
@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.train.optim import WarmupCosineAdamW, adamw_warmup_cosine
+from draftsmith.train.optim import MuonAdamW, WarmupCosineAdamW, adamw_warmup_cosine, newton_schulz
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -83,3 +83,90 @@ def test_a_run_without_an_end_is_refused(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     with pytest.raises(DraftsmithError, match="training has no end"):
         trainer.fit(_Budgeted())
+
+
+def polar(m: torch.Tensor) -> torch.Tensor:
+    """U V^T of m's SVD: the orthogonal matrix nearest m."""
+    u, _, vh = torch.linalg.svd(m, full_matrices=False)
+    return u @ vh
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_orthogonalizes_a_matrix_either_way_round(shape, dtype):
+    torch.manual_seed(0)
+    k = min(shape)
+    u, v = torch.linalg.qr(torch.randn(shape[0], k))[0], torch.linalg.qr(torch.randn(shape[1], k))[0]
+    g = u @ torch.diag(torch.logspace(0, -1, k)) @ v.T  # singular values over a decade
+    x = newton_schulz(g, steps=5, dtype=dtype)
+    assert x.shape == g.shape and x.dtype == dtype
+    s = torch.linalg.svdvals(x.float())
+    assert s.min() > 0.6 and s.max() < 1.25, s  # every direction near unit size, the small ones lifted
+    cos = (x.float() * polar(g)).sum() / (x.float().norm() * polar(g).norm())
+    assert cos > 0.95  # and it points where the exact polar factor does
+
+
+def test_muon_adamw_steps_its_matrices_by_the_scaled_orthogonal_update_and_the_rest_as_adamw():
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(12, 30)), torch.nn.Parameter(torch.randn(30))
+    ref = torch.nn.Parameter(b.detach().clone())
+    lr, wd = 0.01, 0.1
+    opt = MuonAdamW([{"params": [w], "muon": True}, {"params": [b], "muon": False}], lr=lr, betas=(0.9, 0.95),
+                    weight_decay=wd, dtype=torch.float32)
+    adamw = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), weight_decay=wd)
+    w0, grads = w.detach().clone(), [torch.randn(12, 30) for _ in range(3)]
+    for i, gw in enumerate(grads):
+        gb = torch.randn(30)
+        w.grad, b.grad, ref.grad = gw, gb, gb.clone()
+        opt.step()
+        adamw.step()
+        torch.testing.assert_close(b.detach(), ref.detach(), rtol=1e-6, atol=1e-7)  # torch's AdamW, step by step
+        if i == 0:  # from a zero momentum the update is the first gradient's direction, orthogonalized
+            expect = w0 * (1 - lr * wd) - lr * 0.2 * math.sqrt(30) * newton_schulz(gw, dtype=torch.float32)
+            torch.testing.assert_close(w.detach(), expect, rtol=1e-5, atol=1e-6)
+    with pytest.raises(DraftsmithError, match="not 2-D"):
+        MuonAdamW([{"params": [b], "muon": True}], lr=lr)
+
+
+def test_muon_adamw_resumes_from_its_state_dict_as_if_never_stopped():
+    def run(split: int | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(16, 24)
+        make = lambda: MuonAdamW([{"params": [layer.weight], "muon": True},  # noqa: E731
+                                  {"params": [layer.bias], "muon": False}], lr=0.02, dtype=torch.float32)
+        opt = make()
+        for step in range(6):
+            if step == split:
+                state = opt.state_dict()
+                opt = make()
+                opt.load_state_dict(state)
+            opt.zero_grad()
+            layer(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        return torch.cat([layer.weight.detach().flatten(), layer.bias.detach()])
+
+    torch.testing.assert_close(run(split=3), run(split=None), rtol=0, atol=0)
+
+
+def test_muon_is_refused_where_fsdp_or_deepspeed_shard_the_matrices(tiny_target_dir):
+    from types import SimpleNamespace
+
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+
+    from draftsmith.train.drafter import DrafterModule
+
+    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], optimizer="muon")
+    module.configure_model()
+    names = {id(p): n for n, p in module.named_parameters()}
+    muon = sorted(names[id(p)] for p in module.muon_parameters())
+    assert "drafter.fc.weight" in muon and "drafter.layer.mlp.down_proj.weight" in muon
+    assert not [n for n in muon if "head" in n or "norm" in n or "embed" in n]  # heads, norms, tables: AdamW
+    module._trainer = SimpleNamespace(strategy=FSDPStrategy(), estimated_stepping_batches=10, precision="bf16-mixed")
+    with pytest.raises(DraftsmithError, match="FSDP and DeepSpeed shard"):
+        module.configure_optimizers()
+    module._trainer = SimpleNamespace(strategy=DDPStrategy(), estimated_stepping_batches=10, precision="bf16-mixed")
+    opt = module.configure_optimizers()["optimizer"]
+    assert isinstance(opt, MuonAdamW) and opt.ns_dtype == torch.bfloat16
+    assert [len(g["params"]) for g in opt.param_groups] == [len(muon), sum(p.requires_grad for p in module.parameters()) - len(muon)]
+    with pytest.raises(DraftsmithError, match="optimizer must be one of adamw, muon"):
+        DrafterModule(str(tiny_target_dir), kind="eagle3", optimizer="sgd")

@@ -11,6 +11,7 @@ import torch
 from draftsmith.data.modules import FeatureDataModule
 from draftsmith.train.distill import DistillModule
 from draftsmith.train.drafter import DrafterModule
+from draftsmith.train.optim import MuonAdamW
 
 STEPS = 60
 
@@ -34,6 +35,11 @@ def seeded():
 def overfit(module, batch, lr, step, steps: int = STEPS):
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
+    if module.hparams.get("optimizer") == "muon":  # the drafter's matrices by Muon, the rest by AdamW
+        mats = {id(p) for p in module.muon_parameters()}
+        opt = MuonAdamW([{"params": [p for p in params if id(p) in mats], "muon": True},
+                         {"params": [p for p in params if id(p) not in mats], "muon": False}], lr=lr,
+                        dtype=torch.float32)
     before = agreement(module, batch, step)
     losses = []
     for _ in range(steps):
@@ -53,12 +59,14 @@ def batch_and_data(tiny_features):
 
 
 @pytest.mark.parametrize("kind,lr,losses", [("eagle", 1e-2, {}), ("eagle3", 3e-3, {}),
+                                            ("eagle3", 1e-2, {"optimizer": "muon"}),
                                             ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
                                                               "acceptance_weight": 1.0}),
                                             ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
                                                               "acceptance_weight": 1.0, "acceptance_loss": "log"})])
 def test_feature_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, lr, losses):
-    """With HASS's Top-K loss; and with an acceptance-direct loss alone (hybrid, log), no cross-entropy."""
+    """With HASS's Top-K loss; by Muon; and with an acceptance-direct loss alone (hybrid, log), no
+    cross-entropy."""
     batch, dm = batch_and_data
     extra = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": 40} if kind == "eagle3" else {}
     module = DrafterModule(str(tiny_features / "target"), kind=kind, alignment_steps=2,
