@@ -96,7 +96,7 @@ class BlockDrafterModule(DrafterModule):
         dtype = drafter.fc.weight.dtype
         final, aux = final.to(dtype), aux.to(dtype)
         n, length = ids.shape
-        carries = batch["loss_mask"].bool() & valid  # (N, L): x_i is a real assistant token
+        carries = self.carries(batch)  # (N, L): x_i is a real token that carries loss
         predicts = F.pad(carries[:, 1:], (0, 1))  # (N, L): the target's law at i, over x_{i+1}, carries loss
         row, table, top1, mass_in = self._target_table(final, predicts, with_metrics)
         eligible = valid & predicts  # the anchor's next token carries loss

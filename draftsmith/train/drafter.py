@@ -31,6 +31,7 @@ from draftsmith.train.metrics import DraftAcceptance
 from draftsmith.train.optim import OPTIMIZERS, WarmupCosineAdamW
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
+TRAIN_ON = ("assistant", "all")  # the tokens training puts loss on (`train_on`)
 
 
 def full_head_summary(x: torch.Tensor, weight: torch.Tensor, cap: float | None,
@@ -79,6 +80,9 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         mask_token_id: the token P-EAGLE's parallel positions and a block drafter's mask slots read (default:
             the tokenizer's unk token, else its pad, else EOS).
         feature_noise: width of EAGLE's uniform feature noise at step 0 (0 = off).
+        train_on: the tokens training puts loss on: assistant (the answers), or all (every token of a chat,
+            the user's turns and the template's tokens too: more of the target's laws from the same forward);
+            validation scores assistant tokens either way.
         down_sample_ratio: P-EAGLE's COD sampling (`cod_positions`): parallel step j trains a random
             ratio^j of the anchors, nested (1 = every anchor); validation scores every anchor.
         down_sample_ratio_min: the floor of that share.
@@ -110,7 +114,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
                  mask_token_id: int | None = None, down_sample_ratio: float = 1.0, down_sample_ratio_min: float = 0.2,
-                 feature_noise: float = 0.0, init_layer: int | None = None,
+                 feature_noise: float = 0.0, train_on: str = "assistant", init_layer: int | None = None,
                  optimizer: str = "adamw", lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, metric_top_k: int = 5,
@@ -134,6 +138,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
             raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
         if optimizer not in OPTIMIZERS:
             raise DraftsmithError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        if train_on not in TRAIN_ON:
+            raise DraftsmithError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         if acceptance_loss not in ACCEPTANCE_LOSSES:
             raise DraftsmithError(f"acceptance_loss must be one of {', '.join(ACCEPTANCE_LOSSES)}, got {acceptance_loss!r}")
         if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
@@ -276,6 +282,13 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
             mass = torch.exp(torch.logsumexp(z, -1) - lse).clamp_max(1.0)
         return row, p, top1, mass
 
+    def carries(self, batch: dict[str, Any]) -> torch.Tensor:
+        """(B, L) bool: x_i is a real token that carries loss — an assistant token, or while training with
+        `train_on: all`, any token of the chat."""
+        valid = batch["attention_mask"].bool()
+        return valid if self.training and self.hparams.get("train_on") == "all" \
+            else batch["loss_mask"].bool() & valid
+
     def alignment_forward(self, batch: dict[str, Any], with_metrics: bool) -> dict[str, torch.Tensor]:
         ids, valid = batch["input_ids"], batch["attention_mask"].bool()
         final, aux = self._features(batch)
@@ -283,7 +296,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         final, aux = final.to(dtype), (aux.to(dtype) if aux is not None else None)
         t = ids.shape[1] - 1
         anchors = valid[:, :-1]  # (B, T)
-        carries = batch["loss_mask"].bool() & valid  # (B, T+1): x_i is a real assistant token
+        carries = self.carries(batch)  # (B, T+1): x_i is a real token that carries loss
         row, table, top1, mass_in = self._target_table(final, carries, with_metrics)  # table: (M, V or Vd)
         h = self.hparams
         weight = self.drafter.lm_head.weight  # (V or Vd, H)

@@ -376,3 +376,37 @@ def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(ti
         got[multiple] = out, grads, module.val_metric.compute()
     assert rows_seen[0] % 64 != 0 and all(n % 64 == 0 for n in rows_seen[len(rows_seen) // 2:])
     assert_same_step(got[1], got[64])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_train_on_all_puts_loss_on_every_token_in_training_and_validates_on_the_answer(tiny_target_dir, kind):
+    """With train_on: all a training step's loss is the one of a batch whose every token is an answer token;
+    validation (eval mode) reads the loss mask as the default module does."""
+    from draftsmith import DraftsmithError
+    from draftsmith.train.block import BlockDrafterModule
+    from draftsmith.train.drafter import DrafterModule
+
+    cls, extra = (DrafterModule, {}) if kind == "eagle3" else (BlockDrafterModule, {"block_size": 4})
+    modules = {}
+    for train_on in ("assistant", "all"):
+        torch.manual_seed(0)
+        modules[train_on] = cls(target=str(tiny_target_dir), kind=kind, aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                                train_on=train_on, **extra)
+        modules[train_on].configure_model()
+    modules["all"].load_state_dict(modules["assistant"].state_dict())
+    batch = feature_batch(modules["assistant"], 12)
+    answer = dict(batch, loss_mask=torch.tensor([[0.0] * 6 + [1.0] * 6]))  # a user turn, then the answer
+    with torch.no_grad():
+        torch.manual_seed(1)
+        everything = modules["assistant"].train().alignment_forward(batch, with_metrics=False)["loss"]
+        torch.manual_seed(1)
+        trained = modules["all"].train().alignment_forward(answer, with_metrics=False)["loss"]
+        torch.manual_seed(1)
+        answered = modules["assistant"].train().alignment_forward(answer, with_metrics=False)["loss"]
+        validated = modules["all"].eval().alignment_forward(answer, with_metrics=True)["loss"]
+        reference = modules["assistant"].eval().alignment_forward(answer, with_metrics=True)["loss"]
+    torch.testing.assert_close(trained, everything)
+    assert not torch.isclose(trained, answered)
+    torch.testing.assert_close(validated, reference)
+    with pytest.raises(DraftsmithError, match="train_on must be one of"):
+        cls(target=str(tiny_target_dir), kind=kind, train_on="user", **extra)
