@@ -98,13 +98,13 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
                         min_lr_ratio: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                         spent: Callable[[], float] | None = None,
                         muon: Iterable[torch.nn.Parameter] | None = None,
-                        ns_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                        ns_dtype: torch.dtype = torch.bfloat16, ns_steps: int = 5) -> dict[str, Any]:
     """What `configure_optimizers` returns; the schedule steps every optimizer step.
 
     spent: the share of a time budget spent so far (0..1); the cosine follows it instead of the steps
     (`total_steps` is then unused).
     muon: the parameters (matrices among `params`) Muon updates; the others AdamW (`MuonAdamW`). None:
-    AdamW for all."""
+    AdamW for all. ns_dtype, ns_steps: its Newton–Schulz iteration's (`newton_schulz`)."""
     params = [p for p in params if p.requires_grad]
     if muon is None:
         opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
@@ -113,7 +113,7 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
         groups = [{"params": [p for p in params if id(p) in mats], "muon": True},
                   {"params": [p for p in params if id(p) not in mats], "muon": False}]
         opt = MuonAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, weight_decay=weight_decay,
-                        dtype=ns_dtype)
+                        ns_steps=ns_steps, dtype=ns_dtype)
     decay_steps = max(1, int(total_steps) - warmup_steps) if spent is None else 1
 
     def factor(step: int) -> float:  # a plain function: LambdaLR keeps no state of it in a checkpoint
@@ -168,7 +168,8 @@ class WarmupCosineAdamW:
     min_lr_ratio, weight_decay and, where the module has them, betas and optimizer; over steps or, where
     only max_time bounds training, over time) and its `configure_gradient_clipping` (`clip_gradients`).
     With the hyper-parameter `optimizer: muon`, `muon_parameters()` (a module that offers Muon defines
-    it) go to Muon and the rest to AdamW (`MuonAdamW`)."""
+    it) go to Muon, orthogonalized by `muon_ns_steps` Newton–Schulz steps, and the rest to AdamW
+    (`MuonAdamW`)."""
 
     def trained_parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.parameters()
@@ -194,4 +195,4 @@ class WarmupCosineAdamW:
         ns_dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
         return adamw_warmup_cosine(self.trained_parameters(), h.lr, total, h.warmup_steps,
                                    h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent,
-                                   muon=muon, ns_dtype=ns_dtype)
+                                   muon=muon, ns_dtype=ns_dtype, ns_steps=h.get("muon_ns_steps", 5))

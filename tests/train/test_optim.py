@@ -106,13 +106,14 @@ def test_newton_schulz_orthogonalizes_a_matrix_either_way_round(shape, dtype):
     assert cos > 0.95  # and it points where the exact polar factor does
 
 
-def test_muon_adamw_steps_its_matrices_by_the_scaled_orthogonal_update_and_the_rest_as_adamw():
+@pytest.mark.parametrize("ns_steps", [5, 3])
+def test_muon_adamw_steps_its_matrices_by_the_scaled_orthogonal_update_and_the_rest_as_adamw(ns_steps):
     torch.manual_seed(0)
     w, b = torch.nn.Parameter(torch.randn(12, 30)), torch.nn.Parameter(torch.randn(30))
     ref = torch.nn.Parameter(b.detach().clone())
     lr, wd = 0.01, 0.1
     opt = MuonAdamW([{"params": [w], "muon": True}, {"params": [b], "muon": False}], lr=lr, betas=(0.9, 0.95),
-                    weight_decay=wd, dtype=torch.float32)
+                    weight_decay=wd, ns_steps=ns_steps, dtype=torch.float32)
     adamw = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.95), weight_decay=wd)
     w0, grads = w.detach().clone(), [torch.randn(12, 30) for _ in range(3)]
     for i, gw in enumerate(grads):
@@ -122,7 +123,7 @@ def test_muon_adamw_steps_its_matrices_by_the_scaled_orthogonal_update_and_the_r
         adamw.step()
         torch.testing.assert_close(b.detach(), ref.detach(), rtol=1e-6, atol=1e-7)  # torch's AdamW, step by step
         if i == 0:  # from a zero momentum the update is the first gradient's direction, orthogonalized
-            expect = w0 * (1 - lr * wd) - lr * 0.2 * math.sqrt(30) * newton_schulz(gw, dtype=torch.float32)
+            expect = w0 * (1 - lr * wd) - lr * 0.2 * math.sqrt(30) * newton_schulz(gw, ns_steps, torch.float32)
             torch.testing.assert_close(w.detach(), expect, rtol=1e-5, atol=1e-6)
     with pytest.raises(DraftsmithError, match="not 2-D"):
         MuonAdamW([{"params": [b], "muon": True}], lr=lr)
@@ -155,7 +156,8 @@ def test_muon_is_refused_where_fsdp_or_deepspeed_shard_the_matrices(tiny_target_
 
     from draftsmith.train.drafter import DrafterModule
 
-    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], optimizer="muon")
+    module = DrafterModule(str(tiny_target_dir), kind="eagle3", aux_layer_ids=[0, 1, 2], optimizer="muon",
+                           muon_ns_steps=3)
     module.configure_model()
     names = {id(p): n for n, p in module.named_parameters()}
     muon = sorted(names[id(p)] for p in module.muon_parameters())
@@ -167,6 +169,9 @@ def test_muon_is_refused_where_fsdp_or_deepspeed_shard_the_matrices(tiny_target_
     module._trainer = SimpleNamespace(strategy=DDPStrategy(), estimated_stepping_batches=10, precision="bf16-mixed")
     opt = module.configure_optimizers()["optimizer"]
     assert isinstance(opt, MuonAdamW) and opt.ns_dtype == torch.bfloat16
+    assert opt.param_groups[0]["muon"] and opt.param_groups[0]["ns_steps"] == 3
     assert [len(g["params"]) for g in opt.param_groups] == [len(muon), sum(p.requires_grad for p in module.parameters()) - len(muon)]
     with pytest.raises(DraftsmithError, match="optimizer must be one of adamw, muon"):
         DrafterModule(str(tiny_target_dir), kind="eagle3", optimizer="sgd")
+    with pytest.raises(DraftsmithError, match="muon_ns_steps must be >= 1"):
+        DrafterModule(str(tiny_target_dir), kind="eagle3", optimizer="muon", muon_ns_steps=0)
