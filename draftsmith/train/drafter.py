@@ -28,7 +28,7 @@ from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import OPTIMIZERS, WarmupCosineAdamW
+from draftsmith.train.optim import NS_STEPS, OPTIMIZERS, WarmupCosineAdamW
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 TRAIN_ON = ("assistant", "all")  # the tokens training puts loss on (`train_on`)
@@ -92,7 +92,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         optimizer: adamw, or muon: Muon on the draft layers' and fc's matrices, AdamW on the head, norms and
             the rest (`train.optim.MuonAdamW`; one lr for both, Muon's steps scaled to AdamW's size).
         muon_ns_steps: the Newton–Schulz steps of Muon's orthogonalization: 5 as Muon's authors run it; 3 put a
-            random matrix's singular values in the same band (about 0.6–1.2) at 0.6x the cost.
+            random matrix's singular values in the same band (about 0.6–1.2) at 3/5 of the cost.
         lr: peak learning rate.
         weight_decay: decoupled weight decay.
         betas: AdamW betas.
@@ -117,7 +117,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
                  mask_token_id: int | None = None, down_sample_ratio: float = 1.0, down_sample_ratio_min: float = 0.2,
                  feature_noise: float = 0.0, train_on: str = "assistant", init_layer: int | None = None,
-                 optimizer: str = "adamw", muon_ns_steps: int = 5, lr: float = 3e-4, weight_decay: float = 0.0,
+                 optimizer: str = "adamw", muon_ns_steps: int = NS_STEPS, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, metric_top_k: int = 5,
                  target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
@@ -138,14 +138,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                                   f"{entry.title} has none")
         if target_temperature <= 0:
             raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
-        if optimizer not in OPTIMIZERS:
-            raise DraftsmithError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("train_on", train_on, TRAIN_ON),
+                                     ("acceptance_loss", acceptance_loss, ACCEPTANCE_LOSSES)):
+            if value not in choices:
+                raise DraftsmithError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if muon_ns_steps < 1:
             raise DraftsmithError(f"muon_ns_steps must be >= 1, got {muon_ns_steps}")
-        if train_on not in TRAIN_ON:
-            raise DraftsmithError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
-        if acceptance_loss not in ACCEPTANCE_LOSSES:
-            raise DraftsmithError(f"acceptance_loss must be one of {', '.join(ACCEPTANCE_LOSSES)}, got {acceptance_loss!r}")
         if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
                 and acceptance_weight == 0:
             raise DraftsmithError(f"{entry.title} has no feature regression: set ce_weight or topk_weight > 0")

@@ -25,9 +25,10 @@ def cosine_factor(progress: float, min_lr_ratio: float) -> float:
 
 
 OPTIMIZERS = ("adamw", "muon")
+NS_STEPS = 5  # Newton–Schulz steps a Muon update runs unless told otherwise, as Muon's authors run it
 
 
-def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The matrix `update` orthogonalized: U S' V^T for its SVD U S V^T, S' near 1 (within about 0.7..1.2),
     by Muon's quintic Newton–Schulz iteration X <- aX + (bA + cA^2)X, A = XX^T, (a, b, c) = (3.4445,
     -4.7750, 2.0315) (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural networks"),
@@ -54,7 +55,7 @@ class MuonAdamW(torch.optim.Optimizer):
     CPU or GPU multiplies it fast, float32 where it does not."""
 
     def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 weight_decay: float = 0.0, momentum: float = 0.95, eps: float = 1e-8, ns_steps: int = 5,
+                 weight_decay: float = 0.0, momentum: float = 0.95, eps: float = 1e-8, ns_steps: int = NS_STEPS,
                  dtype: torch.dtype = torch.bfloat16):
         for g in groups:
             if g.get("muon") and any(p.ndim != 2 for p in g["params"]):
@@ -98,7 +99,7 @@ def adamw_warmup_cosine(params: Iterable[torch.nn.Parameter], lr: float, total_s
                         min_lr_ratio: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                         spent: Callable[[], float] | None = None,
                         muon: Iterable[torch.nn.Parameter] | None = None,
-                        ns_dtype: torch.dtype = torch.bfloat16, ns_steps: int = 5) -> dict[str, Any]:
+                        ns_dtype: torch.dtype = torch.bfloat16, ns_steps: int = NS_STEPS) -> dict[str, Any]:
     """What `configure_optimizers` returns; the schedule steps every optimizer step.
 
     spent: the share of a time budget spent so far (0..1); the cosine follows it instead of the steps
@@ -195,4 +196,4 @@ class WarmupCosineAdamW:
         ns_dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
         return adamw_warmup_cosine(self.trained_parameters(), h.lr, total, h.warmup_steps,
                                    h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent,
-                                   muon=muon, ns_dtype=ns_dtype, ns_steps=h.get("muon_ns_steps", 5))
+                                   muon=muon, ns_dtype=ns_dtype, ns_steps=h.get("muon_ns_steps", NS_STEPS))
