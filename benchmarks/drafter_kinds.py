@@ -18,7 +18,7 @@ chain of its trained length, or its block) and decodes the same MT-bench first t
   deeper than the 4 steps it trains, a block's no deeper than its slots);
 - DSpark also with its confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on
   held-out chats (never the benchmark's prompts), decoded beside its fixed block in `--passes` back-to-back
-  pairs (which of the two goes first alternating), so that the two share each pass's machine speed;
+  pairs (which of the two goes first alternating, `harness.alternate`), so that the two share each pass's machine speed;
 - autoregressive decoding of the same prompts before and after the arms (their mean is the baseline).
 
 Per decode: τ, the drafter's milliseconds per round, a round's cost in target steps (round time ÷ the
@@ -30,8 +30,8 @@ autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's
 Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
 ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t1_eagle3=...
 ratio_dspark_confidence=...` (tau_*: greedy chains; ratio_dspark_confidence: the confidence policy's
-tokens/s ÷ the fixed block's, the median of the passes' pairs). Trained arms are kept under `--out`/<arm>: a rerun with the same settings and recipe
-files reuses them.
+tokens/s ÷ the fixed block's, the median of the passes' pairs). Trained arms are kept under
+`--out`/<arm>: a rerun with the same settings and recipe files reuses them.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness import kept_arm, machine, parser
+from harness import alternate, kept_arm, machine, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
@@ -194,17 +194,16 @@ def main() -> None:
                                      ks=[k], limit=4, repeats=1, max_new_tokens=64, dtype=args.dtype))
             row["confidence_threshold"] = chosen["threshold"]
             confidence = lambda: BlockConfidence(threshold=chosen["threshold"], k=k)  # noqa: E731
-            pairs = []  # (fixed block, confidence) decoded back to back, the first of them alternating by pass
-            for i in range(args.passes):
-                order = [("fixed", lambda: Static(k)), ("confidence", confidence)][::1 if i % 2 == 0 else -1]
-                pair = {mode: decode(runner, make(), prompts, policy, greedy, eos) for mode, policy in order}
-                pairs.append((pair["confidence"]["tokens_per_second"] / pair["fixed"]["tokens_per_second"], pair))
-            pairs.sort(key=lambda p: p[0])
-            ratio, middle = pairs[len(pairs) // 2]
-            row["confidence"], row["confidence_ratio"] = middle["confidence"], ratio
-            row["confidence_ratios"] = [p[0] for p in pairs]
+            runs = alternate({"fixed": lambda: decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
+                              "confidence": lambda: decode(runner, make(), prompts, confidence, greedy, eos)},
+                             args.passes)  # each pass's two decodes back to back
+            ratios = [c["tokens_per_second"] / f["tokens_per_second"]
+                      for f, c in zip(runs["fixed"], runs["confidence"])]
+            middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+            row["confidence"], row["confidence_ratio"] = runs["confidence"][middle], ratios[middle]
+            row["confidence_ratios"] = ratios
             print(f"dspark: confidence policy (threshold {chosen['threshold']}) ÷ fixed block, tokens/s by pass: "
-                  + ", ".join(f"{r:.3f}" for r in row["confidence_ratios"]), flush=True)
+                  + ", ".join(f"{r:.3f}" for r in ratios), flush=True)
         rows[name] = row
         print(f"{name}: " + "; ".join(f"{mode} tau {r['tau']:.3f}, {r['tokens_per_second']:.1f} tok/s, drafter "
                                       f"{r['drafter_ms']:.1f} ms a round" for mode, r in row.items() if isinstance(r, dict)),
