@@ -36,8 +36,11 @@ def grown_mib(arm: str) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_released_memory_goes_back_to_the_system():
-    for _ in range(3):  # once in a while (a CI machine) the kept arm's heap happened not to grow: measure again
-        kept, released = grown_mib("kept"), grown_mib("released")
+    released = grown_mib("released")
+    # In about one process in five (measured: bimodal, 44 MiB against 980, whatever the thread count) the kept
+    # arm's heap is trimmed by glibc on its own and never grows; its other runs all do: measure it again.
+    for _ in range(8):
+        kept = grown_mib("kept")
         if kept > 4 * max(released, 32):
             break
     assert released < 128, released
