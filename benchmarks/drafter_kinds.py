@@ -30,7 +30,8 @@ autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's
 Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
 ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t1_eagle3=...
 ratio_dspark_confidence=...` (tau_*: greedy chains; ratio_dspark_confidence: the confidence policy's
-tokens/s ÷ the fixed block's, the median of the passes' pairs). Trained arms are kept under
+tokens/s ÷ the fixed block's, the median of the passes' pairs; the ratio_<kind> keys only when the arms
+include eagle3). Trained arms are kept under
 `--out`/<arm>: a rerun with the same settings and recipe files reuses them.
 """
 
@@ -94,7 +95,9 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
         cli.trainer.save_checkpoint(done, weights_only=False)
         record.write_text(json.dumps(info))
     metrics = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]
-    info = {**info, "val_tau": metrics["val/tau"], "val_tau_t1": metrics["val/tau_t1"]}
+    info = {**info, "val_tau": metrics["val/tau"], "val_tau_t1": metrics["val/tau_t1"],
+            **{key.removeprefix("val/"): metrics[key] for key in ("val/confidence_auroc", "val/confidence_ece")
+               if key in metrics}}
     print(f"{name}: {info['trained_steps']} steps in {info['seconds']:.0f} s, val tau {info['val_tau']:.3f} "
           f"(T=1 {info['val_tau_t1']:.3f})", flush=True)
     return cli.model, info
@@ -132,11 +135,33 @@ def decode(runner, proposer, prompts, policy, sampling, eos, tree=None) -> dict:
             "seconds_per_round": seconds / max(rounds, 1), "drafter_ms": 1e3 * sum(spent) / max(len(spent), 1)}
 
 
+def confidence_pairs(name: str, out: Path, k: int, args, decode_with) -> dict:
+    """The arm's confidence policy, its threshold tuned by `draftsmith tune --policy dspark` on held-out chats,
+    decoded beside its fixed block in `args.passes` back-to-back pairs: the median pair's tokens/s ratio."""
+    from draftsmith.eval.tune import TuneConfig, tune
+    from draftsmith.export import export
+    from draftsmith.runtime.policies import BlockConfidence, Static
+
+    native = out / "native"
+    export(str(out / "trained.ckpt"), "native", str(native))
+    chosen = tune(TuneConfig(target="embedded:smollm2-135m-instruct", drafter=str(native), policy="dspark",
+                             ks=[k], limit=4, repeats=1, max_new_tokens=64, dtype=args.dtype))
+    confidence = lambda: BlockConfidence(threshold=chosen["threshold"], k=k)  # noqa: E731
+    runs = alternate({"fixed": lambda: decode_with(lambda: Static(k)), "confidence": lambda: decode_with(confidence)},
+                     args.passes)  # each pass's two decodes back to back
+    ratios = [c["tokens_per_second"] / f["tokens_per_second"] for f, c in zip(runs["fixed"], runs["confidence"])]
+    middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    print(f"{name}: confidence policy (threshold {chosen['threshold']}) ÷ fixed block, tokens/s by pass: "
+          + ", ".join(f"{r:.3f}" for r in ratios), flush=True)
+    return {"confidence_threshold": chosen["threshold"], "confidence": runs["confidence"][middle],
+            "confidence_ratio": ratios[middle], "confidence_ratios": ratios}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--minutes", type=float, default=19.0, help="training wall time per arm")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns decoded (128 tokens each)")
-    ap.add_argument("--kinds", default=",".join(ARMS), help="the arms, comma-separated (eagle3 always runs)")
+    ap.add_argument("--kinds", default=",".join(ARMS), help="the arms, comma-separated")
     ap.add_argument("--passes", type=int, default=3,
                     help="DSpark's fixed block and confidence policy decoded back to back this many times")
     ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS: the largest tree decoded (cost policy)")
@@ -148,19 +173,19 @@ def main() -> None:
     from rich.console import Console
 
     from draftsmith.eval.prompts import first_turn_ids
-    from draftsmith.eval.tune import TuneConfig, tune
-    from draftsmith.export import export
     from draftsmith.models.target import load_target
     from draftsmith.pipeline import ensure_features
     from draftsmith.runtime.cost import CostAware, CostMeter, TreeCost, TreeCostMeter
-    from draftsmith.runtime.policies import BlockConfidence, Static
+    from draftsmith.runtime.policies import Static
     from draftsmith.runtime.loading import feature_proposer
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import TreeShape
 
-    arms = ["eagle3"] + [k for k in args.kinds.split(",") if k in ARMS and k != "eagle3"]
+    arms = [k for k in ARMS if k in args.kinds.split(",")]
+    if not arms:
+        raise SystemExit(f"--kinds names none of {', '.join(ARMS)}")
     out = Path(args.out)
     ensure_features(ROOT / EAGLE3, Console(stderr=True), "extract for the drafter kinds")
     trained = {name: train_arm(name, args.minutes, out / name) for name in arms}
@@ -187,23 +212,9 @@ def main() -> None:
         shape, tree_meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
         shape = replace(shape, depth=min(shape.depth, deepest or shape.depth))
         row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=tree_meter), greedy, eos, tree=shape)
-        if name == "dspark":  # its confidence policy, the threshold tuned on held-out chats
-            native = out / name / "native"
-            export(str(out / name / "trained.ckpt"), "native", str(native))
-            chosen = tune(TuneConfig(target="embedded:smollm2-135m-instruct", drafter=str(native), policy="dspark",
-                                     ks=[k], limit=4, repeats=1, max_new_tokens=64, dtype=args.dtype))
-            row["confidence_threshold"] = chosen["threshold"]
-            confidence = lambda: BlockConfidence(threshold=chosen["threshold"], k=k)  # noqa: E731
-            runs = alternate({"fixed": lambda: decode(runner, make(), prompts, lambda: Static(k), greedy, eos),
-                              "confidence": lambda: decode(runner, make(), prompts, confidence, greedy, eos)},
-                             args.passes)  # each pass's two decodes back to back
-            ratios = [c["tokens_per_second"] / f["tokens_per_second"]
-                      for f, c in zip(runs["fixed"], runs["confidence"])]
-            middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
-            row["confidence"], row["confidence_ratio"] = runs["confidence"][middle], ratios[middle]
-            row["confidence_ratios"] = ratios
-            print(f"dspark: confidence policy (threshold {chosen['threshold']}) ÷ fixed block, tokens/s by pass: "
-                  + ", ".join(f"{r:.3f}" for r in ratios), flush=True)
+        if module.drafter.confidence_head is not None:  # DSpark's confidence policy, tuned on held-out chats
+            row |= confidence_pairs(name, out / name, k, args,
+                                    lambda policy: decode(runner, make(), prompts, policy, greedy, eos))
         rows[name] = row
         print(f"{name}: " + "; ".join(f"{mode} tau {r['tau']:.3f}, {r['tokens_per_second']:.1f} tok/s, drafter "
                                       f"{r['drafter_ms']:.1f} ms a round" for mode, r in row.items() if isinstance(r, dict)),
@@ -229,10 +240,10 @@ def main() -> None:
                       f"drafter {r['drafter_ms']:.1f} ms")
     plot(rows, out / "drafter_kinds.png")
     keys = {f"tau_{n}": f"{rows[n]['chain']['tau']:.3f}" for n in rows}
-    keys |= {f"ratio_{n}": f"{best[n] / best['eagle3']:.3f}" for n in rows if n != "eagle3"}
+    keys |= {f"ratio_{n}": f"{best[n] / best['eagle3']:.3f}" for n in rows if n != "eagle3" and "eagle3" in rows}
     keys |= {f"tau_t1_{n}": f"{rows[n]['chain_t1']['tau']:.3f}" for n in ("eagle3_lk", "eagle3") if n in rows}
-    if "dspark" in rows:
-        keys["ratio_dspark_confidence"] = f"{rows['dspark']['confidence_ratio']:.3f}"
+    keys |= {f"ratio_{n}_confidence": f"{row['confidence_ratio']:.3f}" for n, row in rows.items()
+             if "confidence_ratio" in row}
     keys["minutes"] = f"{args.minutes:g}"
     print("RESULT " + " ".join(f"{k}={v}" for k, v in keys.items()))
 
