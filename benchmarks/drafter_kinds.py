@@ -212,7 +212,7 @@ def main() -> None:
         shape, tree_meter = TreeShape.parse(args.tree), TreeCostMeter()  # sized by measured cost, as `eval` does
         shape = replace(shape, depth=min(shape.depth, deepest or shape.depth))
         row["tree"] = decode(runner, make(), prompts, lambda: TreeCost(meter=tree_meter), greedy, eos, tree=shape)
-        if module.drafter.confidence_head is not None:  # DSpark's confidence policy, tuned on held-out chats
+        if getattr(module.drafter, "confidence_head", None) is not None:  # DSpark's, tuned on held-out chats
             row |= confidence_pairs(name, out / name, k, args,
                                     lambda policy: decode(runner, make(), prompts, policy, greedy, eos))
         rows[name] = row
