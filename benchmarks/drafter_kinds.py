@@ -168,6 +168,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "drafter_kinds"))
     args = ap.parse_args()
+    named = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in named if k not in ARMS]
+    if unknown or not named:
+        raise SystemExit(f"--kinds: {', '.join(unknown) or 'no arm named'}; the arms are {', '.join(ARMS)}")
+    arms = [k for k in ARMS if k in named]
     import copy
 
     from rich.console import Console
@@ -183,9 +188,6 @@ def main() -> None:
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.runtime.tree import TreeShape
 
-    arms = [k for k in ARMS if k in args.kinds.split(",")]
-    if not arms:
-        raise SystemExit(f"--kinds names none of {', '.join(ARMS)}")
     out = Path(args.out)
     ensure_features(ROOT / EAGLE3, Console(stderr=True), "extract for the drafter kinds")
     trained = {name: train_arm(name, args.minutes, out / name) for name in arms}

@@ -31,3 +31,14 @@ def test_a_setting_may_name_the_recipe_as_drafter_kinds_does(tmp_path):
     recipe.write_text("model: {}\n")
     key, kept = kept_arm(tmp_path / "trained.ckpt", tmp_path / "arm.json", recipe, recipe="recipes/x.yaml")
     assert kept is None and key["recipe"] == "recipes/x.yaml" and len(key["recipe_sha256"]) == 64
+
+
+def test_drafter_kinds_stops_on_an_arm_it_does_not_have_before_it_trains(tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_kinds.py"
+    run = subprocess.run([sys.executable, str(script), "--kinds", "eagle3,dsprak", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "--kinds: dsprak; the arms are eagle3, eagle31" in run.stderr
+    assert not any(tmp_path.iterdir())  # nothing extracted or trained
