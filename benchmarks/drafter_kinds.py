@@ -32,7 +32,8 @@ ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t
 ratio_dspark_confidence=...` (tau_*: greedy chains; ratio_dspark_confidence: the confidence policy's
 tokens/s ÷ the fixed block's, the median of the passes' pairs; the ratio_<kind> keys only when the arms
 include eagle3). Trained arms are kept under
-`--out`/<arm>: a rerun with the same settings and recipe files reuses them.
+`--out`/<arm>: a rerun with the same settings and recipe files reuses them, unless the module the code
+builds now has other options than the checkpoint's (an option added or removed since: it trains again).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness import alternate, kept_arm, machine, parser
+from harness import alternate, changed_options, kept_arm, machine, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
@@ -76,10 +77,15 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     out.mkdir(parents=True, exist_ok=True)
     done, record = out / "trained.ckpt", out / "arm.json"
     key, kept = kept_arm(done, record, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
+    if kept is not None:  # restored at the step it stopped at, as a run of that many steps: fit returns without one
+        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
+        changed = changed_options(done, dict(cli.model.hparams))
+        if changed:
+            print(f"{name}: the arm kept in {done} was trained with other options than this code's "
+                  f"({', '.join(changed)}): training it again", flush=True)
+            kept = None
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
-        # restored at the step it stopped at, as a run of that many steps: fit returns without a step
-        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
         if cli.trainer.global_step != kept["trained_steps"]:
             raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "

@@ -85,6 +85,17 @@ def kept_arm(done: Path, record: Path, recipe_file: Path, /,
     return key, kept if kept.get("key") == key else None
 
 
+def changed_options(done: Path, options: dict[str, Any]) -> list[str]:
+    """The hyper-parameters of the module that wrote checkpoint `done` that differ from `options` (the module
+    the same recipe and overrides build now): an option added, removed or given a new default by the code
+    since, which the recipe's contents do not show. Empty: the kept weights are this code's arm."""
+    import torch
+
+    kept = torch.load(done, map_location="cpu", weights_only=False).get("hyper_parameters", {})
+    names = {k for k in [*kept, *options] if not k.startswith("_")}
+    return sorted(k for k in names if k not in kept or k not in options or repr(kept[k]) != repr(options[k]))
+
+
 def newest_train_log(root: Path) -> Path:
     """The `train.log` of the newest run `draftsmith fit` made under `--trainer.default_root_dir` `root`."""
     return max(root.glob("logs/version_*/train.log"), key=lambda p: p.stat().st_mtime)

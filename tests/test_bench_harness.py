@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import kept_arm  # noqa: E402
+from harness import changed_options, kept_arm  # noqa: E402
 
 
 def test_a_kept_arm_is_reused_until_its_settings_or_its_recipe_change(tmp_path):
@@ -42,3 +42,14 @@ def test_drafter_kinds_stops_on_an_arm_it_does_not_have_before_it_trains(tmp_pat
     assert run.returncode != 0
     assert "--kinds: dsprak; the arms are eagle3, eagle31" in run.stderr
     assert not any(tmp_path.iterdir())  # nothing extracted or trained
+
+
+def test_a_kept_checkpoint_names_the_options_the_code_has_changed_since(tmp_path):
+    import torch
+
+    done = tmp_path / "trained.ckpt"
+    torch.save({"hyper_parameters": {"_class_path": "x", "lr": 0.003, "betas": [0.9, 0.99], "label": "sampled"}},
+               done)
+    assert changed_options(done, {"lr": 0.003, "betas": [0.9, 0.99], "label": "sampled"}) == []
+    # an option the code no longer has, one it has gained, one whose value (a default) moved
+    assert changed_options(done, {"lr": 0.001, "betas": [0.9, 0.99], "gamma": 1}) == ["gamma", "label", "lr"]
