@@ -43,7 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness import alternate, changed_options, kept_arm, machine, parser
+from harness import alternate, kept_arm, machine, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
@@ -76,23 +76,19 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
     recipe, overrides, _, _ = ARMS[name]
     out.mkdir(parents=True, exist_ok=True)
     done, record = out / "trained.ckpt", out / "arm.json"
-    key, kept = kept_arm(done, record, ROOT / recipe, recipe=recipe, overrides=list(overrides), minutes=minutes)
-    if kept is not None:  # restored at the step it stopped at, as a run of that many steps: fit returns without one
-        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
-        changed = changed_options(done, dict(cli.model.hparams))
-        if changed:
-            print(f"{name}: the arm kept in {done} was trained with other options than this code's "
-                  f"({', '.join(changed)}): training it again", flush=True)
-            kept = None
+    cli = build(recipe, overrides, out, minutes=minutes)
+    key, kept = kept_arm(done, record, ROOT / recipe, options=dict(cli.model.hparams), recipe=recipe,
+                         overrides=list(overrides), minutes=minutes)
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
+        # restored at the step it stopped at, as a run of that many steps: fit returns without a step
+        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
         if cli.trainer.global_step != kept["trained_steps"]:
             raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "
                                f"not the {kept['trained_steps']} it trained")
         info = kept
     else:
-        cli = build(recipe, overrides, out, minutes=minutes)
         start = time.perf_counter()
         cli.trainer.fit(cli.model, cli.datamodule)
         seconds = time.perf_counter() - start

@@ -74,24 +74,32 @@ def machine() -> str:
     return f"{cpu}{gpu}, torch {torch.__version__}"
 
 
-def kept_arm(done: Path, record: Path, recipe_file: Path, /,
+def kept_arm(done: Path, record: Path, recipe_file: Path, /, options: dict[str, Any] | None = None,
              **settings: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An arm trained earlier (its checkpoint `done`, its `record` json) and what defines it: `settings` (which
     may name the recipe too) and the recipe file's contents, so that an edited recipe trains again instead of
-    reusing stale weights.
+    reusing stale weights; with `options` (the hyper-parameters of the module the arm's recipe and overrides
+    build now), also the options the code gives that module (`changed_options`).
     Returns (key, the record if its key is this one, else None); write the key into the record."""
     key = {**settings, "recipe_sha256": hashlib.sha256(Path(recipe_file).read_bytes()).hexdigest()}
     kept = json.loads(record.read_text()) if record.is_file() and done.is_file() else {}
-    return key, kept if kept.get("key") == key else None
+    if kept.get("key") != key:
+        return key, None
+    changed = changed_options(done, options) if options is not None else []
+    if changed:
+        print(f"{done}: trained with other options than this code's ({', '.join(changed)}): training it again",
+              flush=True)
+        return key, None
+    return key, kept
 
 
 def changed_options(done: Path, options: dict[str, Any]) -> list[str]:
     """The hyper-parameters of the module that wrote checkpoint `done` that differ from `options` (the module
     the same recipe and overrides build now): an option added, removed or given a new default by the code
     since, which the recipe's contents do not show. Empty: the kept weights are this code's arm."""
-    import torch
+    from draftsmith.train.checkpoints import checkpoint_state
 
-    kept = torch.load(done, map_location="cpu", weights_only=False).get("hyper_parameters", {})
+    kept = checkpoint_state(done).get("hyper_parameters", {})
     names = {k for k in [*kept, *options] if not k.startswith("_")}
     return sorted(k for k in names if k not in kept or k not in options or repr(kept[k]) != repr(options[k]))
 

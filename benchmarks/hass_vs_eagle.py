@@ -25,7 +25,7 @@ decoding commits the target's own tokens whatever the drafter, so both arms see 
 The recipes' features are extracted first when missing, as `draftsmith run` does (run from the
 repository root: the recipes' paths are relative to it). Each trained arm is kept under `--out`
 (`<arm>/trained.ckpt`): rerunning the same command reuses it, so a run cut off in its second arm
-trains only that arm again.
+trains only that arm again (an arm whose module the code now builds with other options trains again too).
 
     python benchmarks/hass_vs_eagle.py [--pair full] [--steps N] [--chain 3] [--long-chain 6]
                                        [--decode-prompts 20] [--tree 6,10,60] [--features DIR]
@@ -79,7 +79,7 @@ def train_and_score(recipe: str, steps: int, chain: int, out: Path, overrides: t
                          "--trainer.val_check_interval", str(steps + 1),  # never: scored below
                          "--trainer.enable_progress_bar", "false", *overrides], run=False)
     done, record = out / "trained.ckpt", out / "arm.json"
-    key, kept = kept_arm(done, record, ROOT / recipe, args=args)
+    key, kept = kept_arm(done, record, ROOT / recipe, options=dict(cli.model.hparams), args=args)
     if kept is not None:  # restored at max_steps: fit returns without a step
         print(f"{out.name}: reusing the arm trained earlier ({done})", flush=True)
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)

@@ -53,3 +53,16 @@ def test_a_kept_checkpoint_names_the_options_the_code_has_changed_since(tmp_path
     assert changed_options(done, {"lr": 0.003, "betas": [0.9, 0.99], "label": "sampled"}) == []
     # an option the code no longer has, one it has gained, one whose value (a default) moved
     assert changed_options(done, {"lr": 0.001, "betas": [0.9, 0.99], "gamma": 1}) == ["gamma", "label", "lr"]
+
+
+def test_a_kept_arm_trained_with_other_options_than_the_module_built_now_trains_again(tmp_path):
+    import torch
+
+    recipe, done, record = tmp_path / "recipe.yaml", tmp_path / "trained.ckpt", tmp_path / "arm.json"
+    recipe.write_text("model: {}\n")
+    key, _ = kept_arm(done, record, recipe, minutes=8)
+    torch.save({"hyper_parameters": {"lr": 0.003, "label": "sampled"}}, done)
+    record.write_text(json.dumps({"key": key, "steps": 40}))
+    assert kept_arm(done, record, recipe, options={"lr": 0.003, "label": "sampled"}, minutes=8)[1] == \
+        {"key": key, "steps": 40}
+    assert kept_arm(done, record, recipe, options={"lr": 0.003}, minutes=8)[1] is None  # `label` since removed
