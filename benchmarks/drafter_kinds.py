@@ -26,6 +26,11 @@ autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's
 ÷ eagle3's. A plot of τ and speedup by kind goes to `--out`/drafter_kinds.png.
 
     python benchmarks/drafter_kinds.py [--minutes 20] [--prompts 20] [--kinds eagle3,dflash,...]
+    python benchmarks/drafter_kinds.py --kinds eagle3 --lever NAME='OVERRIDES' [--lever ...] [--train-only]
+
+`--lever` adds an arm of the eagle3-cpu recipe with `draftsmith fit` overrides (a lever: one setting changed,
+the same budget), trained and decoded like the others; `--train-only` stops after training and reports each
+arm's validation alone (`RESULT val_tau_<arm>=... val_tau_t1_<arm>=... steps_<arm>=...`).
 
 Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
 ratio_dspark=... ratio_peagle=... ratio_eagle3_lk=... tau_t1_eagle3_lk=... tau_t1_eagle3=...
@@ -39,11 +44,13 @@ builds now has other options than the checkpoint's (an option added or removed s
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from harness import alternate, kept_arm, machine, parser
+from harness import alternate, kept_arm, machine, parser, print_result
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE3 = "recipes/smollm2-135m/eagle3-cpu.yaml"
@@ -56,6 +63,28 @@ ARMS = {  # arm: (recipe, overrides, chain length, deepest tree: None for --tree
     "dflash": ("recipes/smollm2-135m/dflash-cpu.yaml", (), 7, None),
     "dspark": ("recipes/smollm2-135m/dspark-cpu.yaml", (), 8, None),
 }
+
+
+def lever_arms(specs: list[str]) -> dict[str, tuple]:
+    """`--lever NAME=OVERRIDES` → {NAME: an eagle3-cpu arm with those `draftsmith fit` overrides}; a malformed
+    one stops the script before it extracts or trains."""
+    arms = {}
+    for spec in specs:
+        name, eq, text = spec.partition("=")
+        overrides = tuple(shlex.split(text))
+        problem = None
+        if not eq:
+            problem = "expected NAME=OVERRIDES"
+        elif not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            problem = f"{name!r} is not a lower-case name (letters, digits, _)"
+        elif name in ARMS or name in arms:
+            problem = f"{name} is already an arm"
+        elif not overrides or not overrides[0].startswith("--"):
+            problem = "the overrides must start with an option (--section.name VALUE)"
+        if problem:
+            raise SystemExit(f"--lever {spec}: {problem}")
+        arms[name] = (EAGLE3, overrides, ARMS["eagle3"][2], ARMS["eagle3"][3])
+    return arms
 
 
 def build(recipe: str, overrides: tuple[str, ...], out: Path, steps: int = -1, minutes: float | None = None):
@@ -169,12 +198,18 @@ def main() -> None:
     ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS: the largest tree decoded (cost policy)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "drafter_kinds"))
+    ap.add_argument("--lever", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="an extra eagle3-cpu arm trained with these fit overrides, e.g. "
+                         "min_lr='--model.init_args.min_lr_ratio 0.0' (repeatable)")
+    ap.add_argument("--train-only", action="store_true", help="report each arm's validation and stop before decoding")
     args = ap.parse_args()
     named = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in named if k not in ARMS]
     if unknown or not named:
         raise SystemExit(f"--kinds: {', '.join(unknown) or 'no arm named'}; the arms are {', '.join(ARMS)}")
-    arms = [k for k in ARMS if k in named]
+    levers = lever_arms(args.lever)
+    ARMS.update(levers)
+    arms = [k for k in ARMS if k in named or k in levers]
     import copy
 
     from rich.console import Console
@@ -193,6 +228,13 @@ def main() -> None:
     out = Path(args.out)
     ensure_features(ROOT / EAGLE3, Console(stderr=True), "extract for the drafter kinds")
     trained = {name: train_arm(name, args.minutes, out / name) for name in arms}
+    if args.train_only:
+        keys = {}
+        for name, (_, info) in trained.items():
+            keys |= {f"val_tau_{name}": f"{info['val_tau']:.3f}", f"val_tau_t1_{name}": f"{info['val_tau_t1']:.3f}",
+                     f"steps_{name}": info["trained_steps"]}
+        print_result(keys | {"minutes": f"{args.minutes:g}"})
+        return
 
     target = load_target("embedded:smollm2-135m-instruct", dtype=args.dtype)
     prompts = first_turn_ids(target, "mtbench", args.prompts)

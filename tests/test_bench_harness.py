@@ -44,6 +44,40 @@ def test_drafter_kinds_stops_on_an_arm_it_does_not_have_before_it_trains(tmp_pat
     assert not any(tmp_path.iterdir())  # nothing extracted or trained
 
 
+
+def test_a_lever_is_an_eagle3_arm_with_its_overrides_and_a_malformed_one_is_refused():
+    import pytest
+
+    from drafter_kinds import ARMS, EAGLE3, lever_arms
+
+    arms = lever_arms(["min_lr=--model.init_args.min_lr_ratio 0.0", "ema=--trainer.callbacks+=EMAWeightAveraging "
+                       "--trainer.callbacks.decay=0.98"])
+    assert arms == {"min_lr": (EAGLE3, ("--model.init_args.min_lr_ratio", "0.0"), 3, None),
+                    "ema": (EAGLE3, ("--trainer.callbacks+=EMAWeightAveraging", "--trainer.callbacks.decay=0.98"),
+                            3, None)}
+    assert "min_lr" not in ARMS  # the script's own arms stay as they are until main adds the levers
+    for spec, says in (("min_lr", "expected NAME=OVERRIDES"), ("Min=--x 1", "not a lower-case name"),
+                       ("dspark=--x 1", "dspark is already an arm"), ("a=--x 1", None),
+                       ("b=", "must start with an option"), ("c=min_lr_ratio 0", "must start with an option")):
+        if says is None:
+            assert lever_arms([spec])
+            continue
+        with pytest.raises(SystemExit, match=says):
+            lever_arms([spec])
+    with pytest.raises(SystemExit, match="a is already an arm"):
+        lever_arms(["a=--x 1", "a=--x 2"])
+
+
+def test_drafter_kinds_stops_on_a_malformed_lever_before_it_trains(tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_kinds.py"
+    run = subprocess.run([sys.executable, str(script), "--kinds", "eagle3", "--lever", "min_lr_ratio 0.0",
+                          "--train-only", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "--lever min_lr_ratio 0.0: expected NAME=OVERRIDES" in run.stderr
+    assert not any(tmp_path.iterdir())
+
 def test_a_kept_checkpoint_names_the_options_the_code_has_changed_since(tmp_path):
     import torch
 
