@@ -83,7 +83,7 @@ def lever_arms(specs: list[str]) -> dict[str, tuple]:
             problem = "the overrides must start with an option (--section.name VALUE)"
         if problem:
             raise SystemExit(f"--lever {spec}: {problem}")
-        arms[name] = (EAGLE3, overrides, ARMS["eagle3"][2], ARMS["eagle3"][3])
+        arms[name] = (EAGLE3, overrides, *ARMS["eagle3"][2:])  # eagle3's chain length and trees
     return arms
 
 
