@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import changed_options, kept_arm  # noqa: E402
 
@@ -33,20 +35,20 @@ def test_a_setting_may_name_the_recipe_as_drafter_kinds_does(tmp_path):
     assert kept is None and key["recipe"] == "recipes/x.yaml" and len(key["recipe_sha256"]) == 64
 
 
-def test_drafter_kinds_stops_on_an_arm_it_does_not_have_before_it_trains(tmp_path):
+@pytest.mark.parametrize("kinds, says", [("eagle3,dsprak", "--kinds: dsprak; the arms are eagle3, eagle31"),
+                                         ("", "--kinds: no arm named")])  # no arm and no --lever
+def test_drafter_kinds_stops_on_an_arm_it_does_not_have_before_it_trains(tmp_path, kinds, says):
     import subprocess
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_kinds.py"
-    run = subprocess.run([sys.executable, str(script), "--kinds", "eagle3,dsprak", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, str(script), "--kinds", kinds, "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "--kinds: dsprak; the arms are eagle3, eagle31" in run.stderr
+    assert says in run.stderr
     assert not any(tmp_path.iterdir())  # nothing extracted or trained
 
 
 def test_a_lever_is_an_eagle3_arm_with_its_overrides_and_a_malformed_one_is_refused():
-    import pytest
-
     from drafter_kinds import ARMS, EAGLE3, lever_arms
 
     arms = lever_arms(["min_lr=--model.init_args.min_lr_ratio 0.0", "ema=--trainer.callbacks+=EMAWeightAveraging "

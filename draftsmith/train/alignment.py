@@ -122,3 +122,23 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
             hiddens.append(out)
             feature = out
     return hiddens
+
+
+@torch.no_grad()
+def drafted_what_follows(drafter: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                         j: int, k: int = 1) -> torch.Tensor:
+    """(B, T) bool: at anchor t, x_{t+2+j}, the token step j + 1 reads there, is among step j's top-k draft
+    tokens (`hidden` (B, T, H) its outputs; mapped to target ids): the context step j + 1 trains in is one a
+    chain (k = 1) or a tree of k children a node reaches only if step j drafted that token (GRIFFIN's
+    token-alignable training; ids and valid (B, T+1))."""
+    t = ids.shape[1] - 1
+    follows = shift(ids, j + 1, t)  # (B, T): x_{t+2+j}
+    at = bucketed_rows(valid[:, :-1] & shift(valid, j + 1, t))
+    drafted = torch.zeros(follows.shape, dtype=torch.bool, device=ids.device)
+    if at.n:
+        logits = drafter.logits(gather_rows(hidden, at)[:at.n])
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (n, k)
+        rows = drafter.draft_to_target
+        top = top if rows is None else rows[top]
+        drafted.view(-1)[at.index[:at.n]] = (top == gather_rows(follows, at)[:at.n, None]).any(-1)
+    return drafted

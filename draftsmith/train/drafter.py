@@ -22,7 +22,8 @@ from draftsmith import DraftsmithError
 from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
-from draftsmith.train.alignment import alignment_hiddens, bucketed_rows, cod_positions, gather_rows, shift
+from draftsmith.train.alignment import (alignment_hiddens, bucketed_rows, cod_positions, drafted_what_follows,
+                                       gather_rows, shift)
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
@@ -62,6 +63,10 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         step_weight_decay: w_j = decay^j for step j.
         detach_steps: step j reads the drafter's step j-1 features as constants (as the HASS reference
             code does): each step's loss trains the drafter at that step, not the features it fed.
+        alignment_top_k: GRIFFIN's token-alignable training (0: off): a step j ≥ 1 puts loss only on the
+            anchors where the token each earlier step's successor reads is among that step's top-k draft
+            tokens (`alignment.drafted_what_follows`): 1, the contexts a greedy chain reaches; k, those a tree
+            that expands k children a node reaches. Validation scores every anchor either way.
         feature_weight: weight of the smooth-L1 feature regression (EAGLE only).
         ce_weight: weight of the soft cross-entropy against the target distribution.
         topk_weight: weight of HASS's Top-K distillation loss.
@@ -110,8 +115,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
 
     def __init__(self, target: str, kind: str = EAGLE.name, aux_layer_ids: list[int] | None = None,
                  draft_vocab_size: int | None = None, alignment_steps: int = 1, val_steps: int | None = None,
-                 step_weight_decay: float = 1.0,
-                 detach_steps: bool = False, feature_weight: float = 1.0, ce_weight: float = 0.1,
+                 step_weight_decay: float = 1.0, detach_steps: bool = False, alignment_top_k: int = 0,
+                 feature_weight: float = 1.0, ce_weight: float = 0.1,
                  topk_weight: float = 0.0, topk: int = 10, target_temperature: float = 1.0,
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
@@ -142,6 +147,12 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
                                      ("acceptance_loss", acceptance_loss, ACCEPTANCE_LOSSES)):
             if value not in choices:
                 raise DraftsmithError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if alignment_top_k < 0:
+            raise DraftsmithError(f"alignment_top_k must be >= 0 (0: off), got {alignment_top_k}")
+        if alignment_top_k and (entry.blocks or alignment_steps < 2):
+            raise DraftsmithError(f"alignment_top_k masks the training-time-test steps after the first: it needs "
+                                  f"an EAGLE-family kind with alignment_steps >= 2, got {entry.title} with "
+                                  f"{alignment_steps}")
         if muon_ns_steps < 1:
             raise DraftsmithError(f"muon_ns_steps must be >= 1, got {muon_ns_steps}")
         if not entry.regresses_features and feature_weight and topk_weight == 0 and ce_weight == 0 \
@@ -314,9 +325,13 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         kept = cod_positions(anchors, steps, h.down_sample_ratio, h.down_sample_ratio_min) \
             if self.training and h.get("down_sample_ratio", 1.0) < 1 else None
         hiddens = alignment_hiddens(self.drafter, ids, feature, anchors, steps, h.detach_steps, kept)
-        total, parts = 0.0, {}
+        total, parts, aligned = 0.0, {}, None
         for j, hidden in enumerate(hiddens):
             sel = anchors & shift(carries, j, t)  # (B, T)
+            if h.get("alignment_top_k") and self.training and 0 < j < h.alignment_steps:
+                drafted = drafted_what_follows(self.drafter, hiddens[j - 1], ids, valid, j - 1, h.alignment_top_k)
+                aligned = drafted if aligned is None else aligned & drafted
+                sel = sel & aligned
             if kept is not None and kept.mask[j] is not None:  # COD sampling: the anchors step j ran at
                 sel = sel & kept.mask[j]
             at = bucketed_rows(sel)  # the N selected anchors, padded with the first; `every` marks the real ones

@@ -410,3 +410,51 @@ def test_train_on_all_puts_loss_on_every_token_in_training_and_validates_on_the_
     torch.testing.assert_close(validated, reference)
     with pytest.raises(DraftsmithError, match="train_on must be one of"):
         cls(target=str(tiny_target_dir), kind=kind, train_on="user", **extra)
+
+
+
+@pytest.mark.parametrize("kind, k", [("eagle3", 1), ("eagle3", 3), ("peagle", 1)])
+def test_alignment_top_k_trains_a_step_only_where_the_step_before_drafted_the_token_it_reads(tiny_target_dir, kind,
+                                                                                            k):
+    """GRIFFIN's token-alignable training (`alignment_top_k`): step 1's loss is the soft cross-entropy over
+    exactly the anchors t where x_{t+2}, the token step 1 reads, is among step 0's top-k draft tokens; step 0's
+    loss and the validation loss are the unmasked module's."""
+    from draftsmith.train.losses import soft_cross_entropy
+
+    modules = {}
+    for top_k in (0, k):
+        torch.manual_seed(0)
+        modules[top_k] = DrafterModule(str(tiny_target_dir), kind=kind, aux_layer_ids=[0, 1, 2], ce_weight=1.0,
+                                       draft_vocab_size=40, count_tokens=lambda v: torch.arange(v),
+                                       alignment_steps=2, alignment_top_k=top_k)
+        modules[top_k].configure_model()
+    module, ids = modules[k], modules[k].drafter.draft_to_target
+    if kind == "peagle":  # a mask input of its own, so that the parallel step's laws differ from anchor to anchor
+        torch.nn.init.normal_(modules[0].drafter.mask_hidden, std=3.0)
+    module.load_state_dict(modules[0].state_dict())
+    t = 12
+    batch = feature_batch(module, t)
+    anchors = torch.ones(1, t - 1, dtype=torch.bool)
+
+    def hiddens(steps):
+        feature = module.drafter.project(batch["final"][:, :-1], batch["aux"][:, :-1])
+        return alignment_hiddens(module.drafter, batch["input_ids"], feature, anchors, steps)
+
+    with torch.no_grad():  # step 0 drafts, within its top k, the token that follows at every other anchor
+        for a in range(0, t - 2, 2):  # anchor a's draft reads tokens up to x_{a+1}: setting x_{a+2} keeps it
+            ranked = module.drafter.logits(hiddens(1)[0])[0, a].argsort(descending=True)
+            batch["input_ids"][0, a + 2] = ids[ranked[a // 2 % k]]
+        top = ids[module.drafter.logits(hiddens(1)[0])[0].topk(k, -1).indices]  # (t-1, k)
+        aligned = (top[: t - 2] == batch["input_ids"][0, 2:, None]).any(-1)  # anchors 0..t-3: x_{t+2} exists
+        assert 0 < aligned.sum() < len(aligned)  # the case has both kinds of anchor
+        out = {m: modules[m].train().alignment_forward(batch, with_metrics=False) for m in modules}
+        step1 = module.drafter.logits(hiddens(2)[1])[0, : t - 2]  # anchor a predicts the law at a + 2
+        p = torch.softmax(batch["final"][0, 2:] @ module.target_head.weight[ids].T, -1)
+        val = {m: modules[m].eval().alignment_forward(batch, with_metrics=True)["loss"] for m in modules}
+    torch.testing.assert_close(out[k]["distill_1"], soft_cross_entropy(step1, p, aligned), rtol=1e-4, atol=1e-4)
+    assert not torch.isclose(out[k]["distill_1"], out[0]["distill_1"])
+    torch.testing.assert_close(out[k]["distill_0"], out[0]["distill_0"])
+    torch.testing.assert_close(val[k], val[0])
+    for bad, match in (({"alignment_steps": 1}, "alignment_top_k masks"), ({"alignment_top_k": -1}, ">= 0")):
+        with pytest.raises(DraftsmithError, match=match):
+            DrafterModule(str(tiny_target_dir), kind="eagle3", **{"alignment_steps": 2, "alignment_top_k": 1, **bad})
