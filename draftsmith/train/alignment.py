@@ -135,9 +135,9 @@ def drafted_what_follows(drafter: torch.nn.Module, hidden: torch.Tensor, ids: to
     follows = shift(ids, j + 1, t)  # (B, T): x_{t+2+j}
     at = bucketed_rows(valid[:, :-1] & shift(valid, j + 1, t))
     drafted = torch.zeros(follows.shape, dtype=torch.bool, device=ids.device)
-    if at.n:
-        logits = drafter.logits(gather_rows(hidden, at)[:at.n])
-        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (n, k)
+    if at.n:  # the product over the padded rows, so that it takes one of a few shapes; the real ones kept
+        logits = drafter.logits(gather_rows(hidden, at))
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices[:at.n]  # (n, k)
         rows = drafter.draft_to_target
         top = top if rows is None else rows[top]
         drafted.view(-1)[at.index[:at.n]] = (top == gather_rows(follows, at)[:at.n, None]).any(-1)

@@ -352,11 +352,13 @@ def test_bucketed_rows_pads_a_masks_entries_to_the_multiple():
     assert empty.n == 0 and len(empty.index) == 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
-def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(tiny_target_dir, monkeypatch, kind):
-    """The rows a step's losses gather (the target's table, each step's anchors) are padded to a multiple of
-    64 so that its products take few shapes; the loss, its gradients and the validation metrics are those of
-    the unpadded rows, with 2 trained steps and 3 scored."""
+@pytest.mark.parametrize("kind, top_k", [("eagle3", 0), ("peagle", 0), ("eagle3", 5)])
+def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(tiny_target_dir, monkeypatch, kind,
+                                                                              top_k):
+    """The rows a step's losses gather (the target's table, each step's anchors, the anchors
+    `alignment_top_k` checks) are padded to a multiple of 64 so that its products take few shapes; the loss,
+    its gradients and the validation metrics are those of the unpadded rows, with 2 trained steps and 3
+    scored."""
     from draftsmith.train import alignment, drafter
 
     rows_seen, spy = [], drafter.head_distillation
@@ -366,7 +368,8 @@ def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(ti
         monkeypatch.setattr(alignment, "ROW_MULTIPLE", multiple)
         torch.manual_seed(0)
         module = DrafterModule(str(tiny_target_dir), kind=kind, aux_layer_ids=[0, 1, 2], ce_weight=1.0,
-                               acceptance_weight=0.5, acceptance_loss="log", alignment_steps=2, val_steps=3)
+                               acceptance_weight=0.5, acceptance_loss="log", alignment_steps=2, val_steps=3,
+                               alignment_top_k=top_k)
         module.configure_model()
         state = state or module.state_dict()
         module.load_state_dict(state)
@@ -375,6 +378,7 @@ def test_padding_the_loss_rows_changes_neither_loss_nor_gradients_nor_metrics(ti
         out, grads = step_and_validate(module, batch)
         got[multiple] = out, grads, module.val_metric.compute()
     assert rows_seen[0] % 64 != 0 and all(n % 64 == 0 for n in rows_seen[len(rows_seen) // 2:])
+    assert "distill_1" in got[64][0]  # with alignment_top_k too, step 1 keeps rows to compare
     assert_same_step(got[1], got[64])
 
 
@@ -410,7 +414,6 @@ def test_train_on_all_puts_loss_on_every_token_in_training_and_validates_on_the_
     torch.testing.assert_close(validated, reference)
     with pytest.raises(DraftsmithError, match="train_on must be one of"):
         cls(target=str(tiny_target_dir), kind=kind, train_on="user", **extra)
-
 
 
 @pytest.mark.parametrize("kind, k", [("eagle3", 1), ("eagle3", 3), ("peagle", 1)])
