@@ -88,11 +88,11 @@ def lever_arms(specs: list[str]) -> dict[str, tuple]:
     return arms
 
 
-def build(recipe: str, overrides: tuple[str, ...], out: Path, steps: int = -1, minutes: float | None = None):
-    """The arm's LightningCLI: bounded by `steps`, or by `minutes` of wall time alone (steps -1)."""
+def build(recipe: str, overrides: tuple[str, ...], out: Path, minutes: float | None = None):
+    """The arm's LightningCLI, bounded by `minutes` of wall time alone (no step count)."""
     from draftsmith.train.cli import lightning_cli
 
-    args = ["--config", str(ROOT / recipe), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(out),
+    args = ["--config", str(ROOT / recipe), "--trainer.max_steps", "-1", "--trainer.default_root_dir", str(out),
             "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
             "--trainer.val_check_interval", str(10**9), "--trainer.enable_progress_bar", "false", *overrides]
     if minutes is not None:  # Lightning's DD:HH:MM:SS
@@ -111,8 +111,9 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
                          overrides=list(overrides), minutes=minutes)
     if kept is not None:
         print(f"{name}: reusing the arm trained earlier ({done})", flush=True)
-        # restored at the step it stopped at, as a run of that many steps: fit returns without a step
-        cli = build(recipe, overrides, out, steps=kept["trained_steps"])
+        # restored at the step it stopped at, as a run of that many steps (the bound Lightning's own learning-rate
+        # finder sets): fit returns without a step
+        cli.trainer.fit_loop.epoch_loop.max_steps = kept["trained_steps"]
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=done, weights_only=True)
         if cli.trainer.global_step != kept["trained_steps"]:
             raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "
