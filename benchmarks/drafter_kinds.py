@@ -88,16 +88,15 @@ def lever_arms(specs: list[str]) -> dict[str, tuple]:
     return arms
 
 
-def build(recipe: str, overrides: tuple[str, ...], out: Path, minutes: float | None = None):
+def build(recipe: str, overrides: tuple[str, ...], out: Path, minutes: float):
     """The arm's LightningCLI, bounded by `minutes` of wall time alone (no step count)."""
     from draftsmith.train.cli import lightning_cli
 
+    whole = int(minutes * 60)  # Lightning's DD:HH:MM:SS
     args = ["--config", str(ROOT / recipe), "--trainer.max_steps", "-1", "--trainer.default_root_dir", str(out),
             "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false",
-            "--trainer.val_check_interval", str(10**9), "--trainer.enable_progress_bar", "false", *overrides]
-    if minutes is not None:  # Lightning's DD:HH:MM:SS
-        whole = int(minutes * 60)
-        args += ["--trainer.max_time", f"00:{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}"]
+            "--trainer.val_check_interval", str(10**9), "--trainer.enable_progress_bar", "false", *overrides,
+            "--trainer.max_time", f"00:{whole // 3600:02d}:{whole // 60 % 60:02d}:{whole % 60:02d}"]
     return lightning_cli(args, run=False)
 
 
