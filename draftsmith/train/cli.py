@@ -74,10 +74,11 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
         def after_instantiate_classes(self) -> None:
             super().after_instantiate_classes()
             self.trainer.callbacks.append(save_last_at_stop())
-            from draftsmith.train.progress import ProgressLog
+            from draftsmith.train.progress import ProgressLog, mend_progress_bar
 
             from draftsmith.train.trainer import ReleaseFreedMemory
 
+            mend_progress_bar(self.trainer)
             for callback in (ProgressLog, ReleaseFreedMemory):
                 if not any(isinstance(c, callback) for c in self.trainer.callbacks):
                     self.trainer.callbacks.append(callback())

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import RichProgressBar
 
 from draftsmith.progress import clock
 from draftsmith.train.optim import budget_timer
@@ -78,3 +79,21 @@ class ProgressLog(pl.Callback):
             f.write(stamped + "\n")
         if self.to_stderr:
             print(stamped, file=sys.stderr, flush=True)
+
+
+class RichBar(RichProgressBar):
+    """Lightning's rich progress bar, its epoch shown without a total when epochs are unbounded: a run bounded
+    by time or steps alone has `max_epochs` -1, which Lightning 2.6 shows as "Epoch 1/-2" (its issue 21925)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        epochs = self.trainer.max_epochs
+        if epochs is None or epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+
+def mend_progress_bar(trainer: Any) -> None:
+    """Make the RichProgressBar the trainer adds by default (with `rich` installed) a `RichBar`, its settings kept."""
+    for bar in trainer.callbacks:
+        if type(bar) is RichProgressBar:
+            bar.__class__ = RichBar

@@ -510,3 +510,26 @@ def test_a_time_budget_ends_the_schedule_and_the_run_reads_as_finished(tiny_feat
     assert not training_finished(state, -1, "00:00:01:00") and training_finished(state, steps, None)
     log = next((tmp_path / "run").glob("**/train.log")).read_text()
     assert "for 0:06 (" in log  # the progress log names the budget
+
+
+def test_a_run_bounded_by_time_shows_its_epoch_without_a_negative_total(tiny_features, tmp_path):
+    """Lightning 2.6's rich bar reads max_epochs -1 (a run bounded by time alone) as "Epoch 1/-2"; draftsmith's
+    CLI swaps in its own bar, which shows "Epoch 1", and keeps a bounded count's total."""
+    from pytorch_lightning.callbacks import RichProgressBar
+
+    from draftsmith.train.cli import lightning_cli
+    from draftsmith.train.progress import RichBar
+
+    path = recipe(tiny_features, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["trainer"]["callbacks"]
+    cfg["trainer"].update(max_steps=-1, max_time="00:00:00:02", enable_progress_bar=True)
+    path.write_text(yaml.safe_dump(cfg))
+    cli = lightning_cli(["--config", str(path)], run=False)
+    bars = [c for c in cli.trainer.callbacks if isinstance(c, RichProgressBar)]
+    assert [type(b) for b in bars] == [RichBar]
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.max_epochs == -1
+    assert bars[0]._get_train_description(1).strip() == "Epoch 1"
+    cli.trainer.fit_loop.max_epochs = 3
+    assert bars[0]._get_train_description(1).strip() == "Epoch 1/2"
