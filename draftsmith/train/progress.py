@@ -17,14 +17,17 @@ from draftsmith.train.optim import budget_timer
 
 
 class ProgressLog(pl.Callback):
-    """A line every `every_seconds` of training (and after each validation): step, loss, learning rate,
-    elapsed and remaining time, the latest validation τ̂."""
+    """A line every `every_seconds` of training (and after each validation): step, the mean loss of the steps
+    since the line before (one step's loss swings widely from batch to batch), learning rate, elapsed and
+    remaining time, the latest validation τ̂."""
 
     def __init__(self, every_seconds: float = 30.0, to_stderr: bool | None = None):
         self.every = every_seconds
         self.to_stderr = (not sys.stderr.isatty()) if to_stderr is None else to_stderr
         self.path: Path | None = None
         self.start = self.last = 0.0
+        self.loss_sum: Any = None  # the steps' logged losses since the last line, kept on the device
+        self.loss_steps = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         log_dir = trainer.log_dir if trainer.loggers else None  # a broadcast: every rank asks
@@ -42,8 +45,15 @@ class ProgressLog(pl.Callback):
         self._write(f"training {type(pl_module).__name__} for {budget or 'the epochs set'} ({self.path})")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.path is None:
+            return
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:  # summed without a host sync; read once a line
+            loss = loss.detach()
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.loss_steps += 1
         now = time.perf_counter()
-        if self.path is None or now - self.last < self.every:
+        if now - self.last < self.every:
             return
         self.last = now
         step, total = trainer.global_step, trainer.max_steps
@@ -53,10 +63,11 @@ class ProgressLog(pl.Callback):
         by_time = timer.time_remaining() if timer is not None else None
         remaining = [t for t in (by_steps, by_time) if t is not None]
         left = f", ~{clock(max(min(remaining), 0.0))} left" if remaining else ""
-        loss = trainer.callback_metrics.get("train/loss")
+        loss = None if self.loss_sum is None else float(self.loss_sum) / self.loss_steps
+        self.loss_sum, self.loss_steps = None, 0
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         parts = [f"step {step}/{total}" if total and total > 0 else f"step {step}",
-                 f"loss {float(loss):.4f}" if loss is not None else None,
+                 f"loss {loss:.4f}" if loss is not None else None,
                  f"lr {lr:.2e}" if lr is not None else None, f"{clock(elapsed)} elapsed{left}"]
         self._write("  ".join(p for p in parts if p))
 

@@ -463,27 +463,29 @@ def test_a_redirected_fit_shows_its_progress_in_lines_and_in_its_log(tiny_featur
         assert line in log and line in result.stderr, line
 
 
-def test_progress_lines_give_step_loss_and_time_left():
+def test_progress_lines_give_step_mean_loss_and_time_left():
+    """A line's loss is the mean of the steps' logged losses since the line before, not the last step's."""
     from types import SimpleNamespace
 
+    import draftsmith.train.progress as progress
     from draftsmith.train.progress import ProgressLog
 
-    log = ProgressLog(every_seconds=0.0, to_stderr=False)
+    log = ProgressLog(every_seconds=30.0, to_stderr=False)
     lines = []
     log._write = lines.append
-    log.path, log.start, log.last = "x", 0.0, -1.0
-    trainer = SimpleNamespace(global_step=25, max_steps=100, callback_metrics={"train/loss": torch.tensor(2.5)},
+    log.path, log.start, log.last = "x", 0.0, 0.0
+    trainer = SimpleNamespace(global_step=0, max_steps=100, callback_metrics={},
                               optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])], callbacks=[])
-    import draftsmith.train.progress as progress
-
-    clock = iter([50.0])
     real = progress.time.perf_counter
-    progress.time.perf_counter = lambda: next(clock)
     try:
-        log.on_train_batch_end(trainer, None, None, None, 0)
+        for step, (now, loss) in enumerate([(10.0, 2.0), (20.0, 2.5), (50.0, 3.5), (70.0, 4.0), (90.0, 5.0)], 1):
+            trainer.global_step, trainer.callback_metrics = step * 5, {"train/loss": torch.tensor(loss)}
+            progress.time.perf_counter = lambda: now
+            log.on_train_batch_end(trainer, None, None, None, 0)
     finally:
         progress.time.perf_counter = real
-    assert lines == ["step 25/100  loss 2.5000  lr 1.00e-03  0:50 elapsed, ~2:30 left"]
+    assert lines == ["step 15/100  loss 2.6667  lr 1.00e-03  0:50 elapsed, ~4:43 left",
+                     "step 25/100  loss 4.5000  lr 1.00e-03  1:30 elapsed, ~4:30 left"]
 
 
 def test_a_time_budget_ends_the_schedule_and_the_run_reads_as_finished(tiny_features, tmp_path):
