@@ -118,7 +118,9 @@ def train_arm(name: str, minutes: float, out: Path) -> tuple[object, dict]:
             raise RuntimeError(f"{name}: the kept arm restored at step {cli.trainer.global_step}, "
                                f"not the {kept['trained_steps']} it trained")
         info = kept
-    else:
+    else:  # the arm kept before is not this one: drop it and its log first, so a killed run leaves no stale pair
+        for stale in (done, record, out / "train.log"):
+            stale.unlink(missing_ok=True)
         start = time.perf_counter()
         cli.trainer.fit(cli.model, cli.datamodule)
         seconds = time.perf_counter() - start

@@ -99,3 +99,25 @@ def test_a_kept_arm_trained_with_other_options_than_the_module_built_now_trains_
     assert kept_arm(done, record, recipe, options={"lr": 0.003, "label": "sampled"}, minutes=8)[1] == \
         {"key": key, "steps": 40}
     assert kept_arm(done, record, recipe, options={"lr": 0.003}, minutes=8)[1] is None  # `label` since removed
+
+
+def test_an_arm_trained_again_drops_the_old_weights_and_log_before_it_trains(tmp_path, monkeypatch):
+    """A retrain killed part way leaves no old checkpoint and record beside the new run's log, which a later run
+    would otherwise take for one arm."""
+    from types import SimpleNamespace
+
+    import drafter_kinds
+
+    (tmp_path / "trained.ckpt").write_bytes(b"old weights")
+    (tmp_path / "arm.json").write_text(json.dumps({"key": {"minutes": 1}, "trained_steps": 9}))  # another key
+    (tmp_path / "train.log").write_text("the old run's lines\n")
+
+    def killed(*args, **kwargs):
+        assert not any(tmp_path.iterdir())  # gone before the first step
+        raise KeyboardInterrupt
+
+    cli = SimpleNamespace(model=SimpleNamespace(hparams={}), trainer=SimpleNamespace(fit=killed), datamodule=None)
+    monkeypatch.setattr(drafter_kinds, "build", lambda *args, **kwargs: cli)
+    with pytest.raises(KeyboardInterrupt):
+        drafter_kinds.train_arm("eagle3", 2.0, tmp_path)
+    assert not any(tmp_path.iterdir())
