@@ -26,7 +26,7 @@ class ProgressLog(pl.Callback):
         self.to_stderr = (not sys.stderr.isatty()) if to_stderr is None else to_stderr
         self.path: Path | None = None
         self.start = self.last = 0.0
-        self.loss_sum: Any = None  # the steps' logged losses since the last line, kept on the device
+        self.loss_sum: Any = None  # the losses the training steps returned since the last line
         self.loss_steps = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -47,9 +47,9 @@ class ProgressLog(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.path is None:
             return
-        loss = trainer.callback_metrics.get("train/loss")
-        if loss is not None:  # summed without a host sync; read once a line
-            loss = loss.detach()
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None  # the step's loss ÷ accumulated batches
+        if loss is not None:  # summed on the loss's device; read once a line
+            loss = loss.detach() * trainer.accumulate_grad_batches
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             self.loss_steps += 1
         now = time.perf_counter()

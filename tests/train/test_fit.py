@@ -474,14 +474,15 @@ def test_progress_lines_give_step_mean_loss_and_time_left():
     lines = []
     log._write = lines.append
     log.path, log.start, log.last = "x", 0.0, 0.0
-    trainer = SimpleNamespace(global_step=0, max_steps=100, callback_metrics={},
+    trainer = SimpleNamespace(global_step=0, max_steps=100, accumulate_grad_batches=2,
                               optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])], callbacks=[])
     real = progress.time.perf_counter
     try:
         for step, (now, loss) in enumerate([(10.0, 2.0), (20.0, 2.5), (50.0, 3.5), (70.0, 4.0), (90.0, 5.0)], 1):
-            trainer.global_step, trainer.callback_metrics = step * 5, {"train/loss": torch.tensor(loss)}
+            trainer.global_step = step * 5
             progress.time.perf_counter = lambda: now
-            log.on_train_batch_end(trainer, None, None, None, 0)
+            # Lightning hands the hook the step's loss divided by the batches it accumulates
+            log.on_train_batch_end(trainer, None, {"loss": torch.tensor(loss / 2)}, None, 0)
     finally:
         progress.time.perf_counter = real
     assert lines == ["step 15/100  loss 2.6667  lr 1.00e-03  0:50 elapsed, ~4:43 left",
