@@ -69,8 +69,7 @@ class DrafterKind:
     @property
     def parallel(self) -> bool:
         """Its drafter's steps after the first read mask inputs and run in one forward (P-EAGLE): what the
-        model class declares (`parallel`). Training may then keep a sample of their positions (COD
-        sampling, `down_sample_ratio`)."""
+        model class declares (`parallel`)."""
         return bool(getattr(self.model_class, "parallel", False))
 
     @property

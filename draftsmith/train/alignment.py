@@ -4,7 +4,7 @@ Step 0 feeds target features at every anchor; step j feeds the drafter's own ste
 same anchors (P-EAGLE: its mask inputs), tokens shifted by j, and attends to step-0 keys causally plus
 its own chain's keys of steps 1..j (`models.common.alignment_mask`; run without the dense mask by
 `train.attention`). Keys accumulate in one buffer, so step j costs one pass over T anchors, not j+1
-copies of the sequence. P-EAGLE's COD sampling runs its parallel steps at a nested sample of the anchors
+copies of the sequence. COD sampling (P-EAGLE's) runs steps j ≥ 1 at a nested sample of the anchors
 instead.
 
 Notation: B batch, T anchors, H hidden, S_j the anchors step j keeps.
@@ -98,8 +98,8 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     real positions. Step j reads tokens x_{t+1+j} at positions t+j and the step j-1 outputs;
     `detach`: read them as constants, so a later step's loss does not reach back through them.
     A P-EAGLE drafter's steps j ≥ 1 read its mask inputs instead (`mask_inputs`): the parallel positions
-    it drafts from in one forward, which see what step j of a chain sees. `kept` (`cod_positions`, P-EAGLE
-    only) runs those steps at the kept anchors alone; the others' rows of the output are zeros.
+    it drafts from in one forward, which see what step j of a chain sees. `kept` (`cod_positions`) runs
+    steps j ≥ 1 at the kept anchors alone; the others' rows of the output are zeros.
     """
     b, t = anchors.shape
     positions = torch.arange(t, device=ids.device)[None].expand(b, t)
@@ -107,11 +107,15 @@ def alignment_hiddens(drafter: torch.nn.Module, ids: torch.Tensor, feature: torc
     parallel = drafter.parallel
     with AlignmentAttention(drafter):
         for j in range(steps):
-            tokens, index = shift(ids, j, t), (kept.index[j] if kept is not None and parallel else None)
+            tokens, index = shift(ids, j, t), (kept.index[j] if kept is not None else None)
             if parallel and j > 0:
                 tokens, feature = drafter.mask_inputs(b, t if index is None else index.shape[1])
-            elif detach and j > 0:
-                feature = feature.detach()
+            else:
+                if detach and j > 0:
+                    feature = feature.detach()
+                if index is not None:  # a chain step at the kept anchors: its tokens and step j-1's outputs there
+                    tokens = tokens.gather(1, index)
+                    feature = feature.gather(1, index[..., None].expand(-1, -1, feature.shape[-1]))
             if index is None:  # every anchor: the attention takes the mask's structure, not its T × (j+1)·T
                 at, mask = positions, StepMask(anchors, j)
             else:

@@ -88,8 +88,8 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         train_on: the tokens training puts loss on: assistant (the answers), or all (every token of a chat,
             the user's turns and the template's tokens too: more of the target's laws from the same forward);
             validation scores assistant tokens either way.
-        down_sample_ratio: P-EAGLE's COD sampling (`cod_positions`): parallel step j trains a random
-            ratio^j of the anchors, nested (1 = every anchor); validation scores every anchor.
+        down_sample_ratio: COD sampling (`cod_positions`, P-EAGLE's; any kind here): alignment step j ≥ 1
+            trains a random ratio^j of the anchors, nested (1 = every anchor); validation scores every anchor.
         down_sample_ratio_min: the floor of that share.
         init_layer: start the draft layer of an eagle3-family drafter from this target decoder layer (0-based,
             -1 the last; `models.common.start_from_target_layer_`) instead of a random one, a block drafter's n
@@ -138,9 +138,6 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         if not (0 < down_sample_ratio <= 1 and 0 < down_sample_ratio_min <= 1):
             raise DraftsmithError(f"down_sample_ratio and down_sample_ratio_min must be in (0, 1], got "
                                   f"{down_sample_ratio} and {down_sample_ratio_min}")
-        if down_sample_ratio < 1 and not entry.parallel:
-            raise DraftsmithError(f"down_sample_ratio (COD sampling) thins the parallel steps of P-EAGLE; "
-                                  f"{entry.title} has none")
         if target_temperature <= 0:
             raise DraftsmithError(f"target_temperature must be > 0, got {target_temperature}")
         for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("train_on", train_on, TRAIN_ON),

@@ -60,13 +60,14 @@ def batch_and_data(tiny_features):
 
 @pytest.mark.parametrize("kind,lr,losses", [("eagle", 1e-2, {}), ("eagle3", 3e-3, {}),
                                             ("eagle3", 1e-2, {"optimizer": "muon"}),
+                                            ("eagle3", 1e-2, {"down_sample_ratio": 0.5}),
                                             ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
                                                               "acceptance_weight": 1.0}),
                                             ("eagle3", 3e-3, {"ce_weight": 0.0, "topk_weight": 0.0,
                                                               "acceptance_weight": 1.0, "acceptance_loss": "log"})])
 def test_feature_drafter_overfits_one_batch(tiny_features, batch_and_data, kind, lr, losses):
-    """With HASS's Top-K loss; by Muon; and with an acceptance-direct loss alone (hybrid, log), no
-    cross-entropy."""
+    """With HASS's Top-K loss; by Muon; with step 1 at a COD sample of the anchors; and with an
+    acceptance-direct loss alone (hybrid, log), no cross-entropy."""
     batch, dm = batch_and_data
     extra = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": 40} if kind == "eagle3" else {}
     module = DrafterModule(str(tiny_features / "target"), kind=kind, alignment_steps=2,
