@@ -1,6 +1,6 @@
 """The family matrix: a tiny random target of each decoder-only family a user brings goes through
-extract → fit → export → eval, and decodes exactly the target's greedy text (fp32), with chains and trees,
-on prompts longer than its sliding window where it has one.
+extract → fit → export → eval with every drafter kind, and decodes exactly the target's greedy text (fp32),
+with chains and trees, on prompts longer than its sliding window where it has one.
 
 Each target is built from transformers' own config class (no download), on the suite's character
 tokenizer, so it can read the same chats and MT-bench prompts as the tiny Llama."""
@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from tests.conftest import make_tokenizer, recipe, run_cli, sample_chats
+from draftsmith.models.registry import DRAFTER_KINDS
+from tests.conftest import BLOCK, DSPARK, make_tokenizer, recipe, run_cli, sample_chats
 
 WINDOW = 12  # the sliding window of the families that have one: every prompt here is longer
 
@@ -79,7 +80,23 @@ def test_the_prompts_pass_the_sliding_window():
         assert len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]) > 4 * WINDOW
 
 
-EAGLE3 = dict(kind="eagle3", aux_layer_ids=[1, 2, 3], draft_vocab_size=48)
+SIZES = dict(aux_layer_ids=[1, 2, 3], draft_vocab_size=48)  # the fused layers and draft vocabulary of every family
+EAGLE3 = dict(kind="eagle3", **SIZES)
+ARMS = {  # every drafter kind as a recipe's model settings (eagle3 also with EAGLE-3.1's norms); None: a standalone LM
+    "eagle3": EAGLE3,
+    "eagle3.1": dict(EAGLE3, fc_norm=True, norm_output=True),
+    "hass": dict(kind="eagle"),
+    "peagle": dict(kind="peagle", alignment_steps=3, topk_weight=0.0, ce_weight=1.0, down_sample_ratio=0.7,
+                   down_sample_ratio_min=0.2, **SIZES),
+    "dflash": {**BLOCK, "kind": "dflash", **SIZES},
+    "dspark": {**DSPARK, **SIZES},
+    "standalone": None,
+}
+
+
+def arm_kind(arm: str):
+    model = ARMS[arm]
+    return DRAFTER_KINDS["standalone" if model is None else model["kind"]]
 
 
 def family_features(family: str, root, **config):
@@ -105,22 +122,35 @@ def train_family_drafter(root, here, model: dict | None, *args: str):
     return here / "run" / "ckpt" / "last.ckpt"
 
 
+@pytest.fixture(scope="module")
+def family_target(tmp_path_factory):
+    """family → (root, target): the family's tiny target and its features under root, made once a module."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            made[family] = root, family_features(family, root)
+        return made[family]
+    return get
+
+
+def test_the_matrix_trains_every_kind():
+    assert {arm_kind(arm).name for arm in ARMS} == set(DRAFTER_KINDS)
+
+
+@pytest.mark.parametrize("arm", ARMS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_extracts_trains_exports_and_decodes_its_targets_text(family, tmp_path):
-    root = tmp_path / "tiny"
-    target = family_features(family, root)
-    arms = {"eagle3": (EAGLE3, ["native", "eagle3", "speculators"]),
-            "hass": (dict(kind="eagle"), ["native", "eagle"]),
-            "standalone": (None, ["native"])}
-    for arm, (model, formats) in arms.items():
-        here = tmp_path / arm
-        ckpt = train_family_drafter(root, here, model)
-        for fmt in formats:
-            done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(here / fmt))
-            assert done.returncode == 0, (arm, fmt, done.stderr[-3000:])
-        decodes_the_targets_text(target, here / "native", here / "chain", "--policy", "static", "--k", "3")
-        if model is not None:  # trees: the feature drafters
-            decodes_the_targets_text(target, here / "native", here / "tree", "--tree", "3,2,6", "--policy", "static")
+def test_every_family_extracts_trains_exports_and_decodes_its_targets_text(family, arm, family_target, tmp_path):
+    root, target = family_target(family)
+    kind = arm_kind(arm)
+    ckpt = train_family_drafter(root, tmp_path, ARMS[arm])
+    for fmt in kind.formats:
+        done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert done.returncode == 0, (fmt, done.stderr[-3000:])
+    decodes_the_targets_text(target, tmp_path / "native", tmp_path / "chain", "--policy", "static", "--k", "3")
+    if kind.reads_features:  # trees: the feature drafters (a block drafter's from its one forward)
+        decodes_the_targets_text(target, tmp_path / "native", tmp_path / "tree", "--tree", "3,2,6", "--policy", "static")
 
 
 def test_a_soft_capped_target_is_decoded_with_its_own_logits(tmp_path):

@@ -13,7 +13,7 @@ speculators = pytest.importorskip("speculators")
 
 from draftsmith.export import export  # noqa: E402
 from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint  # noqa: E402
-from tests.test_families import EAGLE3, FAMILIES, family_features, train_family_drafter  # noqa: E402
+from tests.test_families import ARMS, FAMILIES, family_features, train_family_drafter  # noqa: E402
 
 
 def package_drafter(directory: Path):
@@ -30,12 +30,18 @@ def test_the_speculators_package_drafts_what_the_trained_module_drafts(eagle3_ck
     drafts_as_trained(eagle3_ckpt, tmp_path / "spec")
 
 
+@pytest.mark.parametrize("arm", ["eagle3", "eagle3.1", "peagle", "dflash", "dspark"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_familys_drafter_loads_in_the_speculators_package(family, tmp_path):
-    """Drafters of every target family are Llama-layout layers of the target's sizes (head_dim apart from
-    hidden/heads, the MoE target's dense width, no biases): the package builds each from the config alone."""
+def test_every_familys_drafter_loads_in_the_speculators_package(family, arm, tmp_path, monkeypatch):
+    """Drafters of every target family are Llama-layout (EAGLE-3, P-EAGLE) or Qwen3-layout (DFlash, DSpark)
+    layers of the target's sizes (head_dim apart from hidden/heads, the MoE target's dense width, the
+    target's rope, no biases): the package builds each from the config alone and drafts what it drafts."""
     family_features(family, tmp_path / "tiny")
-    drafts_as_trained(train_family_drafter(tmp_path / "tiny", tmp_path / "fit", EAGLE3), tmp_path / "spec")
+    ckpt = train_family_drafter(tmp_path / "tiny", tmp_path / "fit", ARMS[arm])
+    if arm.startswith("eagle3"):
+        drafts_as_trained(ckpt, tmp_path / "spec")
+    else:
+        (peagle_drafts_as_trained if arm == "peagle" else block_drafts_as_trained)(ckpt, tmp_path / "spec", monkeypatch)
 
 
 @pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
@@ -80,9 +86,12 @@ def drafts_as_trained(ckpt, out):
 def test_the_speculators_package_drafts_a_block_as_the_trained_module(kind, request, tmp_path, monkeypatch):
     """DFlash and DSpark: the package's own forward (its anchor-block attention mask, Qwen3 layers, rotary,
     and DSpark's Markov and confidence heads) at anchors we choose gives the trained module's logits."""
-    ckpt = request.getfixturevalue(f"{kind}_ckpt")
-    export(str(ckpt), "speculators", str(tmp_path / "spec"))
-    model = package_drafter(tmp_path / "spec")
+    block_drafts_as_trained(request.getfixturevalue(f"{kind}_ckpt"), tmp_path / "spec", monkeypatch)
+
+
+def block_drafts_as_trained(ckpt, out, monkeypatch):
+    export(str(ckpt), "speculators", str(out))
+    model = package_drafter(out)
     expected, got = block_logits_both_ways(module_from_checkpoint(load_checkpoint(ckpt)).drafter.float().eval(), model,
                                            monkeypatch)
     assert got.shape == expected.shape
@@ -142,13 +151,17 @@ def test_the_speculators_package_drafts_in_parallel_as_a_trained_peagle_drafter(
     """P-EAGLE: the package's own parallel forward (its COD layout fixed to anchors we choose: every position
     at depth 0, anchors 3 and 7 at depth 1, anchor 3 at depth 2; its mask token and mask_hidden; its
     attention mask) gives the logits the trained module's alignment steps give the same positions."""
+    peagle_drafts_as_trained(peagle_ckpt, tmp_path / "spec", monkeypatch)
+
+
+def peagle_drafts_as_trained(ckpt, out, monkeypatch):
     import speculators.models.peagle.core as core
 
     from draftsmith.train.alignment import alignment_hiddens
 
-    export(str(peagle_ckpt), "speculators", str(tmp_path / "spec"))
-    model = package_drafter(tmp_path / "spec")
-    drafter = module_from_checkpoint(load_checkpoint(peagle_ckpt)).drafter.float().eval()
+    export(str(ckpt), "speculators", str(out))
+    model = package_drafter(out)
+    drafter = module_from_checkpoint(load_checkpoint(ckpt)).drafter.float().eval()
     g = torch.Generator().manual_seed(0)
     t = 12
     ids = torch.randint(0, drafter.embed_tokens.num_embeddings, (1, t + 3), generator=g)
