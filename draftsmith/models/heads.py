@@ -92,6 +92,14 @@ class StopHead(nn.Module):
         """The last dimension of each input `forward` takes."""
         raise NotImplementedError
 
+    def stored_inputs(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What `forward` reads, from label rows (`draftsmith labels`: hidden, top_probs, entropy, depth)."""
+        raise NotImplementedError
+
+    def stored_features(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """DISCO's features of label rows, over the `config.probabilities` largest probabilities."""
+        return disco_features(rows["top_probs"], rows["entropy"], rows["depth"].float(), self.config.probabilities)
+
 
 class AcceptanceHead(StopHead):
     """SpecDec++'s acceptance head: (..., H) drafter hidden [, (..., k + 2) DISCO features] → (...,)
@@ -119,6 +127,10 @@ class AcceptanceHead(StopHead):
     def input_widths(self) -> tuple[int, ...]:
         k = self.config.draft_features
         return (self.config.hidden_size,) + ((k + 2,) if k else ())
+
+    def stored_inputs(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden = rows["hidden"].float()
+        return (hidden, self.stored_features(rows)) if self.config.draft_features else (hidden,)
 
     def acceptance(self, hidden: torch.Tensor, q_raw: torch.Tensor | None, position: int) -> float:
         """a_i for the token drawn from q_raw (V,) by the state `hidden` (H,) at position i of the round."""
@@ -164,18 +176,12 @@ class StopClassifier(StopHead):
     def input_widths(self) -> tuple[int, ...]:
         return (self.config.top_k + 2,)
 
+    def stored_inputs(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (self.stored_features(rows),)
+
     def confidence(self, q_raw: torch.Tensor, position: int) -> float:
         """C_i for the token drawn from q_raw (V,) at position i of the round."""
         return float(self.probability(round_features(q_raw, position, self.config.top_k)))
-
-
-def stored_inputs(head: StopHead, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """What `head` reads, from label rows (`draftsmith labels`: hidden, top_probs, entropy, depth)."""
-    k = head.config.probabilities
-    features = disco_features(rows["top_probs"], rows["entropy"], rows["depth"].float(), k) if k else None
-    if head.kind == "disco":
-        return (features,)
-    return (rows["hidden"].float(),) if features is None else (rows["hidden"].float(), features)
 
 
 def head_config(head: nn.Module) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError, Bin
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
-from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, head_config, stored_inputs
+from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, head_config
 from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC, HeadKind, head_kind
 from draftsmith.train.optim import WarmupCosineAdamW
 
@@ -177,7 +177,7 @@ class StopHeadModule(WarmupCosineAdamW, pl.LightningModule):
         self.build(data.run)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.head(*stored_inputs(self.head, batch))
+        logits = self.head(*self.head.stored_inputs(batch))
         label = batch[self.hparams.label].float()
         weight = (1 - self.hparams.mixing_ratio) ** (batch["depth"].float() - 1)
         return mixed_bce(logits, label, self.hparams.rejection_weight, weight), logits, label
