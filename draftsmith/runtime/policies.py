@@ -221,7 +221,7 @@ class BlockConfidence(Policy):
 
 
 POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware,
-            "specdec": AcceptanceStop, "disco": ClassifierStop, DRAFTER_CONFIDENCE: BlockConfidence}
+            SPECDEC.name: AcceptanceStop, DISCO.name: ClassifierStop, DRAFTER_CONFIDENCE: BlockConfidence}
 HEAD_POLICIES = (*HEAD_KINDS, DRAFTER_CONFIDENCE)  # policies that read a stop head (tuned settings) from the export
 
 
