@@ -126,6 +126,24 @@ def test_fitting_heads_logs_validation_metrics_and_keeps_the_best(heads):
         assert list((heads / kind / "ckpt").glob("best-step=*.ckpt")) and (heads / kind / "logs" / "version_0" / "config.yaml").exists()
 
 
+def test_each_head_is_built_from_its_own_options_and_refuses_more_probabilities_than_labels_keep(tiny_features):
+    from draftsmith.models.heads import AcceptanceHead, StopClassifier
+    from draftsmith.train.heads import StopHeadModule
+
+    run = {"hidden_size": 24, "top_k": 6}
+    specdec = StopHeadModule(str(tiny_features / "target"), kind="specdec", num_layers=2, draft_features=4)
+    specdec.build(run)
+    assert isinstance(specdec.head, AcceptanceHead)
+    assert (specdec.head.config.hidden_size, specdec.head.config.num_layers, specdec.head.config.draft_features) == (24, 2, 4)
+    disco = StopHeadModule(str(tiny_features / "target"), kind="disco", top_k=5, width=16)
+    disco.build(run)
+    assert isinstance(disco.head, StopClassifier) and (disco.head.config.top_k, disco.head.config.width) == (5, 16)
+    for kind, option in (("specdec", "draft_features"), ("disco", "top_k")):
+        module = StopHeadModule(str(tiny_features / "target"), kind=kind, **{option: 8})
+        with pytest.raises(DraftsmithError, match=f"--model.{option} 8: the labels keep 6 probabilities per token"):
+            module.build(run)
+
+
 def test_heads_travel_in_the_export_and_decode_losslessly(tiny_features, drafter_export, other_export, heads, tmp_path):
     import shutil
 

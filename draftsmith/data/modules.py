@@ -8,7 +8,7 @@ final (B, T, H), aux (B, T, k*H) when layer ids are asked for, ids (list of str)
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import pytorch_lightning as pl
@@ -96,6 +96,21 @@ def pad_collate(items: list[dict[str, Any]], multiple: int = 1) -> dict[str, Any
             if key in it:
                 out[key][row, :n] = it[key]
     return out
+
+
+@runtime_checkable
+class ChecksTarget(Protocol):
+    """A datamodule that refuses data made for another target than the drafter's (draftsmith's own)."""
+
+    def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None: ...
+
+
+def check_datamodule(trainer: Any, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
+    """Refuse the trainer's datamodule where it holds another target's data; a user's own module, which
+    cannot tell, passes."""
+    data = getattr(trainer, "datamodule", None)
+    if isinstance(data, ChecksTarget):
+        data.check_compatible(identity, aux_layer_ids)
 
 
 class _LengthBatched(pl.LightningDataModule):

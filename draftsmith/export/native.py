@@ -29,7 +29,7 @@ def native_config(module: Any, ckpt: dict[str, Any]) -> dict[str, Any]:
         "provenance": {**provenance(ckpt), "hyper_parameters": dict(ckpt["hyper_parameters"]), "best_scores": best},
     }
     if not kind.reads_features:
-        config["model_config"] = module.student.config.to_dict() if hasattr(module.student, "config") else None
+        config["model_config"] = module.student.config.to_dict()
     else:
         config["sizes"] = sizes(module)
         config["draft_vocab_size"] = module.drafter.vocab_size
@@ -46,7 +46,9 @@ def write_native(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) ->
     config = native_config(module, ckpt)
     kind = drafter_kind(config["kind"])
     if not kind.reads_features:
-        student = module.student.merge_and_unload() if hasattr(module.student, "merge_and_unload") else module.student
+        from peft import PeftModel
+
+        student = module.student.merge_and_unload() if isinstance(module.student, PeftModel) else module.student
         student.save_pretrained(out)
         module.student = student
         if getattr(module, "token_counts", None) is not None:  # for the runtime's frequency-ranked head

@@ -61,7 +61,7 @@ def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
     algorithm = module.kind.speculators_algorithm  # eagle3, or peagle (P-EAGLE: its mask token and mask_hidden)
     architecture = module.kind.speculators_architecture
-    parallel = {"mask_token_id": module.drafter.mask_token_id} if hasattr(module.drafter, "mask_token_id") else {}
+    parallel = {"mask_token_id": module.drafter.mask_token_id} if module.kind.parallel else {}
     config = {
         "architectures": [architecture], "speculators_model_type": algorithm, **parallel,
         "transformer_layer_config": layer, "draft_vocab_size": s["Vd"], "target_hidden_size": s["Ht"],

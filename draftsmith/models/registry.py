@@ -13,9 +13,10 @@ importing them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
+from typing import Any, Mapping
 
 from draftsmith import DraftsmithError
 
@@ -96,6 +97,8 @@ class HeadKind:
         trainer: the LightningModule that trains it.
         grid: the thresholds `draftsmith tune` tries.
         ks: the maximum draft lengths `draftsmith tune` tries with them.
+        probabilities_option: the training option that sets how many of the drafter's largest
+            probabilities the head reads.
     """
 
     name: str
@@ -105,10 +108,17 @@ class HeadKind:
     trainer: str
     grid: tuple[float, ...]
     ks: tuple[int, ...]
+    probabilities_option: str
 
     @property
     def trainer_class(self) -> Any:
         return _load(self.trainer)
+
+    def config_from(self, options: Mapping[str, Any], hidden_size: int) -> Any:
+        """The head's config from training options named as its fields; `hidden_size` is the drafter's."""
+        fields = {f.name for f in dataclasses.fields(_load(self.config))}
+        values = {name: options[name] for name in fields - {"hidden_size"}}
+        return _load(self.config)(**values, **({"hidden_size": hidden_size} if "hidden_size" in fields else {}))
 
     def build(self, config: dict[str, Any]) -> Any:
         """The head from its stored config."""
@@ -150,11 +160,11 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, PEAG
 SPECDEC = HeadKind(
     name="specdec", title="SpecDec++ acceptance head", model="draftsmith.models.heads:AcceptanceHead",
     config="draftsmith.models.heads:AcceptanceHeadConfig", trainer="draftsmith.train.heads:StopHeadModule",
-    grid=(0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99), ks=(8,))
+    grid=(0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99), ks=(8,), probabilities_option="draft_features")
 DISCO = HeadKind(
     name="disco", title="DISCO stop classifier", model="draftsmith.models.heads:StopClassifier",
     config="draftsmith.models.heads:StopClassifierConfig", trainer="draftsmith.train.heads:StopHeadModule",
-    grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), ks=(4, 6, 8))
+    grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), ks=(4, 6, 8), probabilities_option="top_k")
 
 HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (SPECDEC, DISCO)}
 

@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data.modules import check_datamodule
 from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import STANDALONE
 from draftsmith.train import frozen
@@ -82,9 +83,7 @@ class DistillModule(WarmupCosineAdamW, pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.configure_model()
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "check_compatible"):
-            dm.check_compatible(self.identity, [])
+        check_datamodule(self.trainer, self.identity, [])
         if stage == "fit" and self.token_counts is None and self.count_tokens is not None:
             # kept with the checkpoint and the export: the runtime's frequency-ranked head reads them
             self.token_counts = self.count_tokens(self.target_head.weight.shape[0])

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
+from draftsmith.data.modules import check_datamodule
 from draftsmith.models.common import frozen_linear, logit_softcap, soft_cap
 from draftsmith.models.registry import EAGLE, DrafterKind, drafter_kind
 from draftsmith.train import frozen
@@ -233,9 +234,7 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.configure_model()
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "check_compatible"):
-            dm.check_compatible(self.identity, self.aux_layer_ids)
+        check_datamodule(self.trainer, self.identity, self.aux_layer_ids)
 
     # --- checkpoints leave the frozen target parts out; they come back from the target ---------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -28,8 +28,8 @@ from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError, Bin
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
-from draftsmith.models.heads import AcceptanceHeadConfig, StopClassifierConfig, head_config
-from draftsmith.models.registry import DISCO, HEAD_KINDS, SPECDEC, HeadKind, head_kind
+from draftsmith.models.heads import head_config
+from draftsmith.models.registry import HEAD_KINDS, SPECDEC, HeadKind, head_kind
 from draftsmith.train.optim import WarmupCosineAdamW
 
 LABELS = ("soft", "hard")
@@ -150,16 +150,10 @@ class StopHeadModule(WarmupCosineAdamW, pl.LightningModule):
 
     def build(self, labels_run: dict[str, Any]) -> None:
         """The head for labels made with `labels_run` (its drafter's hidden size, its top-k)."""
-        h = self.hparams
-        if h.kind == SPECDEC.name:
-            config = AcceptanceHeadConfig(labels_run["hidden_size"], h.num_layers, h.rejection_weight, h.normalize,
-                                          h.draft_features)
-        else:
-            config = StopClassifierConfig(h.top_k, h.width, h.rejection_weight)
+        config = self.kind.config_from(self.hparams, labels_run["hidden_size"])
         if config.probabilities > labels_run["top_k"]:
-            option = "top_k" if h.kind == DISCO.name else "draft_features"
-            raise DraftsmithError(f"--model.{option} {config.probabilities}: the labels keep {labels_run['top_k']} "
-                                  "probabilities per token")
+            raise DraftsmithError(f"--model.{self.kind.probabilities_option} {config.probabilities}: the labels keep "
+                                  f"{labels_run['top_k']} probabilities per token")
         self.labels_run = labels_run
         self.head = self.kind.build(asdict(config))
 
