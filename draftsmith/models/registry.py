@@ -116,9 +116,9 @@ class HeadKind:
 
     def config_from(self, options: Mapping[str, Any], hidden_size: int) -> Any:
         """The head's config from training options named as its fields; `hidden_size` is the drafter's."""
-        fields = {f.name for f in dataclasses.fields(_load(self.config))}
-        values = {name: options[name] for name in fields - {"hidden_size"}}
-        return _load(self.config)(**values, **({"hidden_size": hidden_size} if "hidden_size" in fields else {}))
+        config = _load(self.config)
+        return config(**{f.name: hidden_size if f.name == "hidden_size" else options[f.name]
+                         for f in dataclasses.fields(config)})
 
     def build(self, config: dict[str, Any]) -> Any:
         """The head from its stored config."""
