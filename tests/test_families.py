@@ -46,6 +46,13 @@ def family_config(family: str, vocab_size: int):
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mistral", "phi3", "gpt_oss"]
 
 
+def engine_case(family: str, *values, ci: tuple[str, ...] = ("llama",)):
+    """An engines-test case of `family`: every CI run checks each export format on the families in `ci`;
+    the rest of the family matrix is marked `matrix` (`make test-engines-matrix`, run before a change to a
+    format or a family's layout lands), which keeps CI inside its time."""
+    return pytest.param(family, *values, marks=() if family in ci else pytest.mark.matrix)
+
+
 def save_family_target(path, family: str, **config):
     """A random target of `family` (`config` overrides sizes) with the suite's tokenizer, saved to path."""
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,7 @@ speculators = pytest.importorskip("speculators")
 
 from draftsmith.export import export  # noqa: E402
 from draftsmith.export.checkpoint import load_checkpoint, module_from_checkpoint  # noqa: E402
-from tests.test_families import ARMS, FAMILIES, arm_kind, family_features, train_family_drafter  # noqa: E402
+from tests.test_families import ARMS, FAMILIES, arm_kind, engine_case, family_features, train_family_drafter  # noqa: E402
 
 
 def package_drafter(directory: Path):
@@ -30,8 +30,8 @@ def test_the_speculators_package_drafts_what_the_trained_module_drafts(eagle3_ck
     drafts_as_trained(eagle3_ckpt, tmp_path / "spec")
 
 
-@pytest.mark.parametrize("arm", [arm for arm in ARMS if "speculators" in arm_kind(arm).formats])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, arm", [engine_case(family, arm) for arm in ARMS if "speculators" in arm_kind(arm).formats
+                                         for family in FAMILIES])
 def test_every_familys_drafter_loads_in_the_speculators_package(family, arm, tmp_path, monkeypatch):
     """Drafters of every target family are Llama-layout (EAGLE-3, P-EAGLE) or Qwen3-layout (DFlash, DSpark)
     layers of the target's sizes (head_dim apart from hidden/heads, the MoE target's dense width, the

@@ -7,7 +7,8 @@ reads the verifier and the method from its config). vLLM decodes greedily, which
 own tokens (speculative decoding is lossless) with drafts verified. vLLM 0.32 refuses Gemma 2 and 3
 targets for every drafter that reads target features (their classes lack its `SupportsEagle3`
 interface), and serves no DSpark drafter (its V1 runner lacks the method): those refusals are what
-their tests expect, verbatim. Each engine runs in its own process."""
+their tests expect, verbatim. Each engine runs in its own process. CI serves each drafter on a Llama target
+(and the Gemma refusal once); the other families are the `matrix` cases (`make test-engines-matrix`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.test_families import ARMS, FAMILIES, family_features, train_family_drafter  # noqa: E402
+from tests.test_families import ARMS, FAMILIES, engine_case, family_features, train_family_drafter  # noqa: E402
 
 NO_EAGLE3 = "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 REFUSED = {family: NO_EAGLE3 for family in ("gemma2", "gemma3_text")}  # vLLM 0.32's Gemma 2 and 3 lack SupportsEagle3
@@ -43,7 +44,7 @@ json.dump({"tokens": list(out[0].outputs[0].token_ids), "drafts": drafts}, open(
 """
 
 
-@pytest.mark.parametrize("family, options", [(family, {}) for family in FAMILIES]
+@pytest.mark.parametrize("family, options", [engine_case(family, {}, ci=("llama", "gemma3_text")) for family in FAMILIES]
                          + [("llama", {"fc_norm": True, "norm_output": True})])  # and EAGLE-3.1's norms
 def test_vllm_serves_every_familys_eagle3_export_beside_its_target(family, options, tmp_path):
     from draftsmith.export import export
@@ -56,7 +57,7 @@ def test_vllm_serves_every_familys_eagle3_export_beside_its_target(family, optio
     serves_the_targets_tokens(target, llm, REFUSED.get(family), tmp_path)
 
 
-@pytest.mark.parametrize("family, arm", [(family, arm) for arm in ("dflash", "peagle") for family in FAMILIES]
+@pytest.mark.parametrize("family, arm", [engine_case(family, arm) for arm in ("dflash", "peagle") for family in FAMILIES]
                          + [("llama", "dspark")])
 def test_vllm_serves_every_familys_block_and_parallel_drafters_from_their_speculators_export(family, arm, tmp_path):
     from draftsmith.export import export
