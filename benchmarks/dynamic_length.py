@@ -74,8 +74,7 @@ def main() -> None:
     from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.cost import CostMeter, TreeCost, TreeCostMeter
-    from draftsmith.runtime.policies import make_policy
+    from draftsmith.runtime.policies import PolicySettings, policy_kind
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
 
@@ -83,7 +82,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(args.target, dtype=args.dtype)
     proposer, description = load_proposer(args.drafter, target, args.head_vocab)
-    heads = {kind: load_stop_head(args.drafter, kind, target, proposer) for kind in ("specdec", "disco")}
+    heads = {kind: load_stop_head(args.drafter, policy_kind(kind), target, proposer) for kind in ("specdec", "disco")}
     section = json.loads(native_config_path(args.drafter).read_text()).get(STOP_HEADS, {})
     roc = section.get("confidence", {}).get("tuned", {}).get("greedy", {}).get("threshold")
     if roc is None:
@@ -111,31 +110,32 @@ def main() -> None:
     def head_arm(kind: str, mode: str) -> tuple:
         threshold, k = tuned(kind, mode)
         k = shape.depth if shape is not None else k  # a tree round drafts at most its depth, as in eval
-        return (proposer, lambda p: make_policy(kind, head=heads[kind][0], threshold=threshold, k=k), shape)
+        return proposer, build(kind, head=heads[kind][0], threshold=threshold, k=k, tree=shape is not None), shape
+
+    def build(name: str, **settings):
+        """The registry's prompt → fresh policy function (a run's cost policies share one meter)."""
+        return policy_kind(name).build(PolicySettings(**settings))
 
     def factories(mode: str, references) -> dict:
         """arm → (proposer, prompt → fresh policy, tree shape or None for chains)."""
-        arms = {"autoregressive": (plain, lambda p: make_policy("static", k=0), None)}
+        arms = {"autoregressive": (plain, build("static", k=0), None)}
         if shape is not None:  # the fixed trees, then the policies that size each round's
             for d in range(1, shape.depth + 1):
-                arms[f"tree{d}"] = (proposer, lambda p: make_policy("static", k=0), replace(shape, depth=d))
-            meter = TreeCostMeter()
-            arms.update({"cost": (proposer, lambda p: TreeCost(meter=meter), shape),
+                arms[f"tree{d}"] = (proposer, build("static", k=0), replace(shape, depth=d))
+            arms.update({"cost": (proposer, build("cost", tree=True), shape),
                          "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode)})
             return arms
-        meter = CostMeter()
         for k in range(1, 9):
-            arms[f"static{k}"] = (proposer, lambda p, k=k: make_policy("static", k=k), None)
+            arms[f"static{k}"] = (proposer, build("static", k=k), None)
         arms.update({
-            "heuristic": (proposer, lambda p: make_policy("heuristic", k=5), None),
-            "confidence": (proposer, lambda p: make_policy("confidence", threshold=0.4, k=8), None),
-            "confidence_roc": (proposer, lambda p: make_policy("confidence", threshold=roc, k=8), None),
-            "cost": (proposer, lambda p: make_policy("cost", k=8, meter=meter), None),
+            "heuristic": (proposer, build("heuristic", k=5), None),
+            "confidence": (proposer, build("confidence", threshold=0.4, k=8), None),
+            "confidence_roc": (proposer, build("confidence", threshold=roc, k=8), None),
+            "cost": (proposer, build("cost", k=8), None),
             "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode),
         })
         if references is not None:
-            arms["oracle"] = (proposer, lambda p: make_policy("oracle", reference=references[tuple(p)][0],
-                                                                 drafts=references[tuple(p)][1], k=8), None)
+            arms["oracle"] = (proposer, build("oracle", references=references, k=8), None)
         return arms
 
     def run_arms(arms: dict, ids, sampling) -> dict:

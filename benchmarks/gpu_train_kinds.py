@@ -56,7 +56,7 @@ def random_target_dir(assets: Path, shape: str, layers: int | None) -> Path:
     """A model directory of the shape's config and the embedded tokenizer: its weights are made on load."""
     import shutil
 
-    from round_cost import RANDOM_TARGETS
+    from round_parts import RANDOM_TARGETS
     from transformers import LlamaConfig
 
     from draftsmith.models.target import load_tokenizer

@@ -54,7 +54,7 @@ def main() -> None:
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig, drawing_with, sample
     from harness import median_ms
-    from round_cost import fresh_eagle3
+    from round_parts import fresh_eagle3
 
     samplers = {"": sample, "_multinomial": multinomial}
 
