@@ -202,12 +202,27 @@ def test_heads_travel_in_the_export_and_decode_losslessly(tiny_features, drafter
     assert results["identical_outputs"] is True
 
 
-def test_the_confidence_threshold_by_transformers_roc_rule(labelled, drafter_export, tmp_path):
+def test_the_confidence_threshold_by_transformers_roc_rule(tiny_features, labelled, drafter_export, tmp_path):
     threshold, at = roc_threshold(torch.tensor([0.1, 0.2, 0.35, 0.8, 0.9]), torch.tensor([0, 0, 1, 1, 1]))
     assert threshold == pytest.approx(0.35) and at["fpr"] == 0 and at["fnr"] == 0
     # missing an acceptance costs 3 false alarms: with one positive below two negatives, the cut goes below it
     threshold, at = roc_threshold(torch.tensor([0.1, 0.3, 0.4, 0.2, 0.9]), torch.tensor([0, 0, 0, 1, 1]))
     assert threshold == pytest.approx(0.2) and at["fpr"] == pytest.approx(2 / 3)
+    # `tune --policy confidence` files the rule's threshold where `eval --policy confidence` reads it
+    import shutil
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(drafter_export, drafter)
+    target = str(tiny_features / "target")
+    result = run_cli("tune", "--target", target, "--drafter", str(drafter), "--policy", "confidence", "--labels", str(labelled))
+    assert result.returncode == 0, result.stderr[-3000:]
+    tuned = json.loads((drafter / "config.json").read_text())["stop_heads"]["confidence"]["tuned"]["greedy"]["threshold"]
+    result = run_cli("eval", "--target", target, "--drafter", str(drafter), "--policy", "confidence", "--k", "3",
+                     "--max_new_tokens", "8", "--limit", "1", "--repeats", "1", "--dtype", "float32",
+                     "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    described = json.loads((tmp_path / "eval" / "results.json").read_text())["config"]["drafter"]
+    assert f"confidence policy (threshold {tuned:g}, at most 3)" in described
 
 
 def test_labels_take_the_type_decoding_takes(tiny_features, drafter_export, chats, tmp_path, fresh):

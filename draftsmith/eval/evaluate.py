@@ -25,10 +25,11 @@ class DecodeOptions(SamplingOptions):
             carries), or oracle (a greedy bound: drafts exactly the tokens the target will accept).
         k: draft length (static), starting length (heuristic) or maximum (cost, confidence, oracle, and
             specdec/disco when --stop_threshold is given).
-        threshold: the confidence policy's threshold, and BiLD's fallback threshold (--mode bild).
-        stop_threshold: specdec's h (stop once the predicted chance of a rejection exceeds it) or disco's
-            τ (draft while the classifier's confidence is at least it); omitted: the threshold and maximum
-            length tuned into the export (`draftsmith tune`).
+        threshold: the confidence rule's threshold (default: the one `draftsmith tune --policy confidence` wrote
+            into the drafter's export, else 0.4), and BiLD's fallback threshold (--mode bild; default 0.4).
+        stop_threshold: specdec's h (stop once the predicted chance of a rejection exceeds it), disco's τ
+            (draft while the classifier's confidence is at least it) or dspark's bound on Π c_i; omitted: the
+            threshold and maximum length tuned into the export (`draftsmith tune`), else 0.5.
         tree: EAGLE-2 dynamic tree drafting as DEPTH,TOPK,TOKENS (e.g. 5,8,32; feature drafters);
             omit for chain drafts with --policy. With --policy cost (the default) the tree is the most
             a round may draft: each round's depth, node count and lookup tokens are chosen by their
@@ -69,7 +70,7 @@ class DecodeOptions(SamplingOptions):
     turns: str = "first"
     policy: str = "cost"
     k: int = 4
-    threshold: float = 0.4
+    threshold: float | None = None
     stop_threshold: float | None = None
     tree: str | None = None
     lookup: int = 0
@@ -93,9 +94,11 @@ class DecodeOptions(SamplingOptions):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
         if self.tree in ("", "none", "chain"):
             self.tree = None
-        if self.policy == "oracle" and self.temperature > 0:
-            raise DraftsmithError("--policy oracle is a greedy bound (it drafts until the first token that differs "
-                                  "from the target's greedy text): use --temperature 0")
+        from draftsmith.runtime.policies import policy_kind
+
+        if policy_kind(self.policy).greedy_only and self.temperature > 0:
+            raise DraftsmithError(f"--policy {self.policy} is a greedy bound (it drafts until the first token that "
+                                  "differs from the target's greedy text): use --temperature 0")
         if self.lookup and self.tree is None:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         if self.mode != "exact" and self.tree is not None:
@@ -137,7 +140,8 @@ class DecodeOptions(SamplingOptions):
 
         try:
             return target_rule(self.mode, self.rule, self.alpha if alpha is None else alpha,
-                               greedy=self.temperature == 0, fallback=self.threshold)
+                               greedy=self.temperature == 0,
+                               fallback=DEFAULT_THRESHOLD if self.threshold is None else self.threshold)
         except ValueError as e:
             raise DraftsmithError(str(e)) from None
 
@@ -175,50 +179,40 @@ class EvalConfig(DecodeOptions):
 
 def policy_factory(cfg: DecodeOptions, references: dict[tuple[int, ...], tuple[list[int], dict]] | None = None,
                    stop_head: tuple[Any, dict[str, Any]] | None = None) -> Callable[[list[int]], Any]:
-    """A fresh draft-length policy per generation (given its prompt), as --policy, --k and --threshold
-    ask; the cost-aware policies of one run share a meter, so later prompts start from what earlier ones
-    measured. The oracle reads `references`: each prompt's ids → (prompt + the target's greedy continuation,
-    the drafter's greedy chain after each of its prefixes). specdec and disco read `stop_head`: the head and
-    its export section (`models.loading.load_stop_head`)."""
-    from draftsmith.runtime.policies import HEAD_POLICIES, make_policy
-    from draftsmith.runtime.cost import CostMeter, TreeCost, TreeCostMeter
+    """A fresh draft-length policy per generation (given its prompt), as --policy, --k and the thresholds ask,
+    built by the policy's registry entry (`runtime.policies.POLICY_KINDS`). The oracle reads `references`: each
+    prompt's ids → (prompt + the target's greedy continuation, the drafter's greedy chain after each of its
+    prefixes). A policy with a head or tuned settings reads `stop_head`: the head (or None) and its export
+    section (`runtime.loading.load_stop_head`)."""
+    from draftsmith.runtime.policies import PolicySettings, policy_kind
 
-    args = {"static": {"k": cfg.k}, "heuristic": {"k": cfg.k}, "confidence": {"threshold": cfg.threshold, "k": cfg.k},
-            "oracle": {"k": cfg.k}, "cost": {"k": cfg.k, "meter": CostMeter()}}.get(cfg.policy, {})
-    if cfg.policy in HEAD_POLICIES:
-        if stop_head is None:
-            raise DraftsmithError(f"--policy {cfg.policy} needs the stop head of the drafter's export (evaluate loads it)")
-        head, section = stop_head
-        threshold, k = stop_settings(cfg, section)
-        args = {"head": head, "threshold": threshold, "k": k}
-    make_policy(cfg.policy, **args)  # an unknown name stops here, with the choices
-    if cfg.tree is not None and cfg.policy == "cost":  # trees sized by cost, one meter for the run
-        meter = TreeCostMeter()
-        return lambda prompt: TreeCost(meter=meter)
-    if cfg.policy == "oracle":
-        if references is None:
-            raise DraftsmithError("the oracle policy needs the target's greedy continuations (evaluate computes them)")
-        return lambda prompt: make_policy("oracle", reference=references[tuple(prompt)][0],
-                                          drafts=references[tuple(prompt)][1], **args)
-    return lambda prompt: make_policy(cfg.policy, **args)
+    kind = policy_kind(cfg.policy)
+    if kind.head is not None and stop_head is None:
+        raise DraftsmithError(f"--policy {cfg.policy} needs the stop head of the drafter's export (evaluate loads it)")
+    head, section = stop_head or (None, {})
+    threshold, k = stop_settings(cfg, section)
+    return kind.build(PolicySettings(k=k, threshold=threshold, tree=cfg.tree is not None, head=head,
+                                     references=references))
 
 
-def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float, int]:
-    """(threshold, k) of a stop-head policy: --stop_threshold with --k, else what `draftsmith tune`
-    wrote into the export for this kind of decoding (greedy or sampling; with --tree, tuned on trees
-    where it was, else on chains), else the head's defaults. With --tree the most is the tree's depth:
-    the shape bounds a tree round, as it does for cost."""
+def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float | None, int]:
+    """(threshold, k) of the policy: the command's threshold (--threshold for the confidence rule,
+    --stop_threshold for a head's) with --k, else what `draftsmith tune` wrote into the export's `section`
+    for this kind of decoding (greedy or sampling; with --tree, tuned on trees where it was, else on chains),
+    else the policy's default. With --tree a head's most is the tree's depth: the shape bounds a tree round,
+    as it does for cost."""
     from draftsmith.models.loading import tuned_settings
+    from draftsmith.runtime.policies import policy_kind
 
-    if cfg.stop_threshold is not None:
-        threshold, k = cfg.stop_threshold, cfg.k
-    else:
-        tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None)
-        threshold, k = tuned or (DEFAULT_STOP_THRESHOLD, cfg.k)
-    return threshold, cfg.tree_shape().depth if cfg.tree is not None else k
+    kind = policy_kind(cfg.policy)
+    given, default = (cfg.stop_threshold, DEFAULT_STOP_THRESHOLD) if kind.head else (cfg.threshold, DEFAULT_THRESHOLD)
+    tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned else None
+    threshold, k = (given, cfg.k) if given is not None else (tuned[0], tuned[1] or cfg.k) if tuned else (default, cfg.k)
+    return threshold, cfg.tree_shape().depth if cfg.tree is not None and kind.head else k
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
+DEFAULT_THRESHOLD = 0.4  # the confidence rule's and BiLD's fallback threshold where none is given or tuned
 
 
 def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
@@ -233,7 +227,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.policies import HEAD_POLICIES, Static
+    from draftsmith.runtime.policies import Static, policy_kind
     from draftsmith.runtime.proposers import FeatureProposer, NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.progress import Bars
@@ -269,14 +263,16 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
                          {"role": "user", "content": p["turns"][1]}]
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
-    references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if cfg.policy == "oracle" else None
+    policy = policy_kind(cfg.policy)
+    references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if policy.greedy_only else None
     stop_head = None
-    if cfg.policy in HEAD_POLICIES:
-        if cfg.drafter is None:
-            raise DraftsmithError(f"--policy {cfg.policy} reads the stop head of a drafter's export: give --drafter")
-        stop_head = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
-        threshold, k = stop_settings(cfg, stop_head[1])
-        description += f", {cfg.policy} stop head (threshold {threshold:g}, at most {k})"
+    if policy.head is not None and cfg.drafter is None:
+        raise DraftsmithError(f"--policy {cfg.policy} reads the stop head of a drafter's export: give --drafter")
+    if policy.tuned and cfg.drafter is not None:
+        stop_head = load_stop_head(cfg.drafter, policy, target, proposer)
+    if policy.head is not None or policy.tuned:
+        threshold, k = stop_settings(cfg, stop_head[1] if stop_head else {})
+        description += f", {policy.name} {'stop head' if policy.head else 'policy'} (threshold {threshold:g}, at most {k})"
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []

@@ -90,7 +90,10 @@ def table(results: dict[str, Any]) -> Any:
               f"{speed['autoregressive']['tokens_per_second']:.1f}", speedup_cell(speed["speedup"], valid, "[bold]"))
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
     lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
-    sized = "sized by cost within " if results["config"].get("policy") == "cost" else ""
+    from draftsmith.runtime.policies import POLICY_KINDS
+
+    policy = POLICY_KINDS.get(results["config"].get("policy", ""))
+    sized = f"sized by {policy.name} within " if policy is not None and policy.sizes_trees else ""
     drafts = f"tree {sized}{results['config']['tree']}{lookup} (mean {acc.get('mean_tree_size', 0):.1f} nodes)" \
         if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
     t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "

@@ -9,7 +9,11 @@
   `eval --tree ... --policy specdec|disco` finds it.
 - confidence: transformers' rule for its assisted generation's confidence threshold: on the drafted
   tokens of the labels' validation chats (score: the drafter's top probability; positive: the target
-  accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve. No decoding.
+  accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve, written where
+  `eval --policy confidence` reads it when no --threshold is given. No decoding.
+- dspark: DSpark's bound on Π c_i, decoded as specdec's and disco's thresholds are.
+
+Which policy is tuned which way is its registry entry's `tune` (`runtime.policies.POLICY_KINDS`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import CONFIDENCE_GRID, DRAFTER_CONFIDENCE, HEAD_KINDS
 from draftsmith.options import SamplingOptions, TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
 
-# specdec reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
-# token, so only h near 1 lets such a drafter's drafts grow (docs/benchmarks.md, dynamic_length.py)
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 
 
@@ -70,18 +71,28 @@ class TuneConfig(TargetOptions, SamplingOptions):
     repeats: int = 2
 
     def __post_init__(self) -> None:
-        if self.policy not in (*HEAD_KINDS, DRAFTER_CONFIDENCE, "confidence"):
-            raise DraftsmithError(f"--policy must be {', '.join(HEAD_KINDS)}, {DRAFTER_CONFIDENCE} or confidence, "
-                                  f"got {self.policy!r}")
-        if self.policy == "confidence" and self.labels is None:
-            raise DraftsmithError("--policy confidence tunes on labelled drafts: give --labels (`draftsmith labels`)")
+        from draftsmith.runtime.policies import POLICY_KINDS
+
+        tunable = [k.name for k in POLICY_KINDS.values() if k.tune is not None]
+        if self.policy not in tunable:
+            raise DraftsmithError(f"--policy must be one of {', '.join(tunable)} (the policies tune chooses settings "
+                                  f"for), got {self.policy!r}")
+        by_labels = self.kind().tune == "labels"
+        if by_labels and self.labels is None:
+            raise DraftsmithError(f"--policy {self.policy} tunes on labelled drafts: give --labels (`draftsmith labels`)")
         if any(not 0 <= t <= 1 for t in self.thresholds or []) or any(k < 1 for k in self.ks or []):
             raise DraftsmithError("--thresholds must lie in [0, 1] and --ks be >= 1")
         if self.repeats < 1 or self.limit < 1:
             raise DraftsmithError("--repeats and --limit must be >= 1")
-        if self.tree is not None and self.policy == "confidence":
-            raise DraftsmithError("--policy confidence is tuned on labels, not by decoding: drop --tree")
+        if self.tree is not None and by_labels:
+            raise DraftsmithError(f"--policy {self.policy} is tuned on labels, not by decoding: drop --tree")
         self.tree_shape()  # a malformed --tree stops here
+
+    def kind(self) -> Any:
+        """The policy's registry entry (`runtime.policies.PolicyKind`)."""
+        from draftsmith.runtime.policies import policy_kind
+
+        return policy_kind(self.policy)
 
     def tree_shape(self) -> Any:
         from draftsmith.runtime.tree import TreeShape
@@ -90,11 +101,11 @@ class TuneConfig(TargetOptions, SamplingOptions):
 
     def grid(self) -> list[tuple[float, int]]:
         """(threshold, maximum length) pairs tried."""
-        head = HEAD_KINDS.get(self.policy)
-        thresholds = self.thresholds or list(head.grid if head else CONFIDENCE_GRID)
+        kind = self.kind()
+        thresholds = self.thresholds or list(kind.grid)
         if self.tree is not None:  # a tree round drafts at most its depth
             return [(t, self.tree_shape().depth) for t in thresholds]
-        ks = self.ks or (list(head.ks) if head else [8])
+        ks = self.ks or list(kind.ks)
         return [(t, k) for k in ks for t in thresholds]
 
 
@@ -114,7 +125,7 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
     """Tune cfg.policy for cfg.drafter and write the result into its export; returns what was written."""
     from draftsmith.models.loading import update_stop_heads
 
-    if cfg.policy == "confidence":
+    if cfg.kind().tune == "labels":
         import torch
 
         from draftsmith.data.conversations import split_of
@@ -124,7 +135,7 @@ def tune(cfg: TuneConfig, console: Any = None) -> dict[str, Any]:
         val = torch.tensor([split_of(i, cfg.label_val_fraction) == "val" for i in ids], dtype=torch.bool)[chat_of]
         threshold, at = roc_threshold(rows["top_probs"][val, 0], rows["hard"][val])
         chosen = {"threshold": threshold, "rule": f"ROC: minimum FPR + {ROC_FNR_COST:g}·FNR", **at, "labels": cfg.labels}
-        update_stop_heads(cfg.drafter, "confidence", {"tuned": {"greedy": chosen}})
+        update_stop_heads(cfg.drafter, cfg.policy, {"tuned": {"greedy": chosen}})
         return chosen
     return _tune_by_speed(cfg, console)
 
@@ -140,7 +151,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.policies import make_policy
+    from draftsmith.runtime.policies import PolicySettings
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.progress import Bars
 
@@ -148,7 +159,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
                          chat_template=cfg.chat_template)
     proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    head, section = load_stop_head(cfg.drafter, cfg.policy, target, proposer)
+    head, section = load_stop_head(cfg.drafter, cfg.kind(), target, proposer)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.val_fraction, cfg.data_limit)
     ids = [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
@@ -159,7 +170,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     grid = cfg.grid()
 
     def policy_for(point: tuple[float, int]):
-        return lambda prompt: make_policy(cfg.policy, head=head, threshold=point[0], k=point[1])
+        return cfg.kind().build(PolicySettings(k=point[1], threshold=point[0], tree=tree is not None, head=head))
 
     decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed, tree=tree)  # warm-up
     rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}

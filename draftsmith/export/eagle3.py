@@ -26,7 +26,7 @@ def eagle3_tensors(drafter: Any, with_embeddings: bool = False) -> dict[str, tor
            "lm_head.weight": state["lm_head.weight"].float(), "d2t": state["d2t"].long(), "t2d": state["t2d"].bool(),
            **layer_tensors(drafter)}
     out.update({k: v.float() for k, v in state.items() if k.startswith(("fc_norm.", "input_norm."))})  # EAGLE-3.1
-    if "mask_hidden" in state:  # P-EAGLE
+    if drafter.parallel:  # P-EAGLE's stand-in for the fused layers
         out["mask_hidden"] = state["mask_hidden"].float()
     if with_embeddings:
         out["embed_tokens.weight"] = state["embed_tokens.weight"].float()
@@ -48,12 +48,14 @@ def option_shapes(options: dict[str, bool], s: dict[str, int]) -> dict[str, tupl
 
 
 def check_eagle3(tensors: dict[str, torch.Tensor], s: dict[str, int], where: str,
-                 options: dict[str, bool] | None = None) -> None:
+                 options: dict[str, bool] | None = None, parallel: bool = False) -> None:
+    """The EAGLE-3 layout's tensors and shapes, EAGLE-3.1's `options` and a `parallel` (P-EAGLE) drafter's
+    mask stand-in included."""
     h = s["H"]
     shapes = {**layer_shapes(s, 2 * h), "fc.weight": (h, s["k"] * s["Ht"]), "layers.0.input_layernorm.weight": (h,),
               "layers.0.hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (s["Vd"], h),
               "d2t": (s["Vd"],), "t2d": (s["V"],), **option_shapes(options or {}, s)}
-    if "mask_token_id" in (options or {}):  # P-EAGLE's stand-in for the fused layers
+    if parallel:  # P-EAGLE's stand-in for the fused layers
         shapes["mask_hidden"] = (1, 1, s["k"] * s["Ht"])
     check_tensors(EAGLE3.name, tensors, shapes, {"embed_tokens.weight"}, where)
     problems = []
@@ -78,7 +80,7 @@ def eagle3_config(module: Any, layer_ids: list[int], k: int) -> dict[str, Any]:
 def write_eagle3(module: Any, ckpt: dict[str, Any], out: Path, _options: Any) -> list[str]:
     s, ids = sizes(module), list(module.aux_layer_ids)
     tensors = eagle3_tensors(module.drafter)
-    check_eagle3(tensors, s, str(out), module.drafter.options)
+    check_eagle3(tensors, s, str(out), module.drafter.options, module.drafter.parallel)
     for engine, layer_ids in (("vllm", ids), ("sglang", [i - 1 for i in ids])):
         config = eagle3_config(module, layer_ids, len(ids))
         check_config(config, {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,

@@ -19,6 +19,7 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
     from draftsmith.models.heads import head_config
     from draftsmith.models.loading import native_config_path, update_stop_heads
     from draftsmith.runtime.loading import load_proposer, load_stop_head, stop_head_mismatch
+    from draftsmith.runtime.policies import policy_kind
     from draftsmith.models.target import load_target
 
     kind = ckpt["draftsmith"]["kind"]
@@ -42,7 +43,7 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
         raise DraftsmithError(f"this {kind} stop head was trained for another drafter or target than the export in {out} "
                               f"({'; '.join(diffs)}); label that drafter (`draftsmith labels`) and train the head again")
     update_stop_heads(out, kind, section, module.head.state_dict())
-    reloaded, _ = load_stop_head(out, kind, target, proposer)
+    reloaded, _ = load_stop_head(out, policy_kind(kind), target, proposer)
     g = torch.Generator().manual_seed(0)
     x = [torch.randn(16, width, generator=g) for width in module.head.input_widths()]
     with torch.no_grad():

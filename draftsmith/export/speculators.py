@@ -57,7 +57,7 @@ def write_speculators(module: Any, ckpt: dict[str, Any], out: Path, options: Any
                                        verifier_path(module.identity, options.verifier))
     s, ids = sizes(module), list(module.aux_layer_ids)
     tensors = eagle3_tensors(module.drafter, with_embeddings=True)
-    check_eagle3(tensors, s, str(out), module.drafter.options)
+    check_eagle3(tensors, s, str(out), module.drafter.options, module.drafter.parallel)
     layer = llama_layer_config(module, ["LlamaForCausalLM"])
     algorithm = module.kind.speculators_algorithm  # eagle3, or peagle (P-EAGLE: its mask token and mask_hidden)
     architecture = module.kind.speculators_architecture

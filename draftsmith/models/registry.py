@@ -157,6 +157,8 @@ STANDALONE = DrafterKind(
 
 DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (EAGLE, EAGLE3, PEAGLE, DFLASH, DSPARK, STANDALONE)}
 
+# specdec's grid reaches 0.99: with acceptance around 0.3 a token, 1 − Π a_i passes 0.9 by the second drafted
+# token, so only h near 1 lets such a drafter's drafts grow (docs/benchmarks.md, dynamic_length.py)
 SPECDEC = HeadKind(
     name="specdec", title="SpecDec++ acceptance head", model="draftsmith.models.heads:AcceptanceHead",
     config="draftsmith.models.heads:AcceptanceHeadConfig", trainer="draftsmith.train.heads:StopHeadModule",
@@ -167,11 +169,6 @@ DISCO = HeadKind(
     grid=(0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), ks=(4, 6, 8), probabilities_option="top_k")
 
 HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (SPECDEC, DISCO)}
-
-# DSpark's confidence head is part of its drafter, not a stop head trained apart: its policy has this name,
-# `draftsmith tune` tries these thresholds (of Π c_i) and files its choice beside the stop heads'
-DRAFTER_CONFIDENCE = "dspark"
-CONFIDENCE_GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 # every export format, in the order `--help` lists them; each kind names the ones it writes
 FORMATS: tuple[str, ...] = tuple(dict.fromkeys(f for k in DRAFTER_KINDS.values() for f in k.formats))

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import DRAFTER_CONFIDENCE, drafter_kind, head_kind
+from draftsmith.models.registry import drafter_kind
+from draftsmith.runtime.policies import PolicyKind
 from draftsmith.models.loading import STANDALONE_FILE, STOP_HEADS, STOP_HEADS_FILE, TOKEN_COUNTS, load_native, native_config_path
 from draftsmith.runtime.proposers import FeatureProposer, NoProposer
 from draftsmith.runtime.standalone import ModelProposer
@@ -89,12 +90,17 @@ def stop_head_mismatch(section: dict[str, Any], target: Any, proposer: Any) -> l
     return diffs
 
 
-def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any) -> tuple[Any, dict[str, Any]]:
-    """(head module, its config section) of a native export; refused when trained for another drafter or target."""
+def load_stop_head(directory: str | Path, policy: PolicyKind, target: Any, proposer: Any) -> tuple[Any, dict[str, Any]]:
+    """(head module or None, its section of the export) for a draft-length policy (a `PolicyKind`): the stop
+    head it decodes with (refused when trained for another drafter or target), the drafter's own confidence
+    head (checked present), or no head; the section holds what `draftsmith tune` filed for it."""
     from safetensors.torch import load_file
 
+    kind = policy.name
     section = json.loads(native_config_path(directory).read_text()).get(STOP_HEADS, {}).get(kind)
-    if kind == DRAFTER_CONFIDENCE:  # the drafter's own head: only its tuned settings are filed
+    if policy.head is None:
+        return None, section or {}
+    if policy.head == "drafter":  # the drafter's own head: only its tuned settings are filed
         if getattr(getattr(proposer, "drafter", None), "confidence_head", None) is None:
             raise DraftsmithError(f"--policy {kind} reads a DSpark drafter's confidence head; {directory} has none "
                                   "(train kind dspark with confidence_head: true)")
@@ -106,7 +112,7 @@ def load_stop_head(directory: str | Path, kind: str, target: Any, proposer: Any)
     if diffs:
         raise DraftsmithError(f"the {kind} stop head in {directory} was trained for another drafter or target "
                               f"({'; '.join(diffs)}); label and train it again for this pair")
-    head = head_kind(kind).build(section["head"])
+    head = policy.head_kind.build(section["head"])
     tensors = load_file(str(Path(directory) / STOP_HEADS_FILE))
     head.load_state_dict({k[len(kind) + 1:]: v for k, v in tensors.items() if k.startswith(kind + ".")})
     return head.to(target.device).eval(), section

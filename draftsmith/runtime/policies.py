@@ -14,13 +14,13 @@ which measure what a drafted token costs, are `runtime/cost.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import DISCO, DRAFTER_CONFIDENCE, HEAD_KINDS, SPECDEC
-from draftsmith.runtime.cost import CostAware
+from draftsmith.models.registry import DISCO, DSPARK, HEAD_KINDS, SPECDEC
+from draftsmith.runtime.cost import CostAware, CostMeter, TreeCost, TreeCostMeter
 from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePolicy
 
 
@@ -204,7 +204,7 @@ class BlockConfidence(Policy):
     head: Any = None  # the confidence head is the drafter's own: nothing to hold
     threshold: float = 0.3
     k: int = 8
-    name: str = DRAFTER_CONFIDENCE
+    name: str = DSPARK.name  # the policy is named after the drafter kind whose head it reads
     accepted: float = field(default=1.0, repr=False)
 
     def max_tokens(self) -> int:
@@ -220,12 +220,105 @@ class BlockConfidence(Policy):
         return self.accepted >= self.threshold
 
 
-POLICIES = {"static": Static, "heuristic": Heuristic, "confidence": Confidence, "oracle": Oracle, "cost": CostAware,
-            SPECDEC.name: AcceptanceStop, DISCO.name: ClassifierStop, DRAFTER_CONFIDENCE: BlockConfidence}
-HEAD_POLICIES = (*HEAD_KINDS, DRAFTER_CONFIDENCE)  # policies that read a stop head (tuned settings) from the export
+@dataclass(frozen=True)
+class PolicySettings:
+    """What a run's policies are built from: the decode options they read and what the run loaded for them.
+
+    k: the draft length (static), starting length (heuristic) or most (the others); threshold: the
+    policy's threshold where it has one (the confidence rule's, a stop head's h or τ, DSpark's bound on
+    Π c_i); tree: the run drafts trees (the cost policy then sizes them); head: the stop head read from
+    the export; references: each prompt's ids → (the target's greedy text, the drafter's greedy chains),
+    for the oracle."""
+
+    k: int = 4
+    threshold: float | None = None
+    tree: bool = False
+    head: Any = None
+    references: dict[tuple[int, ...], tuple[list[int], dict[int, list[int]]]] | None = None
+
+
+@dataclass(frozen=True)
+class PolicyKind:
+    """One draft-length policy, as `--policy NAME` names it: everything eval and tune need to know of it.
+
+    Attributes:
+        name: its `--policy` name, and the key of its section in an export's `stop_heads` (tuned settings).
+        title: what a message calls it.
+        build: settings → a function giving a fresh policy for each generation (given its prompt ids);
+            the policies of one run may share state (the cost policies' meter).
+        head: where its head comes from: "stop" (a stop head trained apart and exported with the drafter:
+            the head kind of the same name), "drafter" (the drafter's own confidence head, DSpark), or None.
+        tuned: it reads the settings `draftsmith tune` filed in the export, where the command gives none.
+        tune: how `draftsmith tune` chooses its settings: "decode" (decoding held-out prompts over `grid` ×
+            `ks`, the fastest kept) or "labels" (transformers' ROC rule on labelled drafts); None: not tuned.
+        grid, ks: the thresholds and most lengths `draftsmith tune` tries ("decode").
+        greedy_only: it decodes greedily only (the oracle knows the target's greedy text).
+        sizes_trees: with --tree it sizes each tree round itself (depth, nodes, lookup tokens).
+    """
+
+    name: str
+    title: str
+    build: Callable[[PolicySettings], Callable[[list[int]], Policy]]
+    head: str | None = None
+    tuned: bool = False
+    tune: str | None = None
+    grid: tuple[float, ...] = ()
+    ks: tuple[int, ...] = ()
+    greedy_only: bool = False
+    sizes_trees: bool = False
+
+    @property
+    def head_kind(self) -> Any:
+        """The stop-head kind it decodes with (head "stop"), else None."""
+        return HEAD_KINDS[self.name] if self.head == "stop" else None
+
+
+def _cost(s: PolicySettings) -> Callable[[list[int]], Policy]:
+    """The cost policies of one run share a meter, so later prompts start from what earlier ones measured."""
+    if s.tree:
+        tree_meter = TreeCostMeter()
+        return lambda prompt: TreeCost(meter=tree_meter)
+    meter = CostMeter()
+    return lambda prompt: CostAware(k=s.k, meter=meter)
+
+
+def _oracle(s: PolicySettings) -> Callable[[list[int]], Policy]:
+    if s.references is None:
+        raise DraftsmithError("the oracle policy needs the target's greedy continuations (evaluate computes them)")
+    return lambda prompt: Oracle(reference=s.references[tuple(prompt)][0], drafts=s.references[tuple(prompt)][1], k=s.k)
+
+
+def _stop(policy: type) -> Callable[[PolicySettings], Callable[[list[int]], Policy]]:
+    return lambda s: (lambda prompt: policy(head=s.head, threshold=s.threshold, k=s.k))
+
+
+def _head_policy(head: Any, policy: type) -> PolicyKind:
+    return PolicyKind(head.name, head.title, _stop(policy), head="stop", tuned=True, tune="decode", grid=head.grid,
+                      ks=head.ks)
+
+
+CONFIDENCE_GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # DSpark's bounds on Π c_i tried by tune
+
+POLICY_KINDS: dict[str, PolicyKind] = {k.name: k for k in (
+    PolicyKind("cost", "the cost policy", _cost, sizes_trees=True),
+    PolicyKind("static", "a static draft length", lambda s: (lambda prompt: Static(k=s.k))),
+    PolicyKind("heuristic", "transformers' heuristic schedule", lambda s: (lambda prompt: Heuristic(k=s.k))),
+    PolicyKind("confidence", "the confidence rule", lambda s: (lambda prompt: Confidence(threshold=s.threshold, k=s.k)),
+               tuned=True, tune="labels"),
+    PolicyKind("oracle", "the oracle draft length", _oracle, greedy_only=True),
+    _head_policy(SPECDEC, AcceptanceStop),
+    _head_policy(DISCO, ClassifierStop),
+    PolicyKind(DSPARK.name, "DSpark's confidence head", _stop(BlockConfidence), head="drafter", tuned=True,
+               tune="decode", grid=CONFIDENCE_GRID, ks=(8,)),
+)}
+
+
+def policy_kind(name: str) -> PolicyKind:
+    if name not in POLICY_KINDS:
+        raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICY_KINDS)}")
+    return POLICY_KINDS[name]
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    if name not in POLICIES:
-        raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](**kwargs)
+    """One policy of kind `name`, built from PolicySettings' fields given as keywords."""
+    return policy_kind(name).build(PolicySettings(**kwargs))([])
