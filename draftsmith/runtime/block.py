@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.runtime.cache import KVSlab
 from draftsmith.runtime.proposers import Draft, Expand, _empty, _in_target_vocab
 from draftsmith.runtime.sampling import SamplingConfig, distributions, sample
 from draftsmith.runtime.steps import DraftStep, Policy
@@ -27,28 +28,25 @@ from draftsmith.runtime.tree import DraftTree, TreeShape, slot_tree
 
 
 class ContextCache:
-    """Every layer's context keys and values, (1, kv, T, hd), grown in place (capacity doubles)."""
+    """Every drafter layer's context keys and values: one `KVSlab` a layer (the runtime's one decoding cache),
+    appended to as rounds commit tokens, never rolled back (the context holds committed tokens only)."""
 
     def __init__(self) -> None:
-        self.layers: list[list[torch.Tensor]] = []
-        self.length = 0
+        self.layers: list[KVSlab] = []
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
 
     def append(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        n = layers[0][0].shape[2]
+        """The n new positions' keys and values of every layer, (1, kv, n, hd) each."""
         if not self.layers:
-            self.layers = [[k.new_empty(*k.shape[:2], max(64, 2 * n), k.shape[3]) for k in kv] for kv in layers]
-        room = self.layers[0][0].shape[2]
-        if self.length + n > room:
-            grown = max(2 * room, self.length + n)
-            self.layers = [[torch.cat([t[:, :, :self.length], t.new_empty(*t.shape[:2], grown - self.length, t.shape[3])], 2)
-                            for t in kv] for kv in self.layers]
-        for stored, new in zip(self.layers, layers):
-            for t, x in zip(stored, new):
-                t[:, :, self.length:self.length + n] = x
-        self.length += n
+            self.layers = [KVSlab() for _ in layers]
+        for slab, (k, v) in zip(self.layers, layers):
+            slab.update(k, v)
 
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.layers]
+        return [(slab.keys, slab.values) for slab in self.layers]
 
 
 class BlockProposer:
