@@ -105,6 +105,14 @@ class ChecksTarget(Protocol):
     def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None: ...
 
 
+@runtime_checkable
+class ReadsFeatureLayers(Protocol):
+    """A LightningModule that names the target layers its drafter fuses (draftsmith's drafter modules), so that
+    the `draftsmith extract` command a datamodule prints for missing features extracts them."""
+
+    def feature_layer_ids(self) -> list[int]: ...
+
+
 def check_datamodule(trainer: Any, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
     """Refuse the trainer's datamodule where it holds another target's data; a user's own module, which
     cannot tell, passes."""
@@ -188,15 +196,17 @@ class FeatureDataModule(_LengthBatched):
         self.features_dir, self.layer_ids = features_dir, list(layer_ids or [])
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
-        self.hint = dict(target=target, data=data, max_length=max_length, limit=limit)
+        self.hint = dict(target=target, data=data, max_length=max_length, limit=limit, chat_template=chat_template)
         self.reader: FeatureReader | None = None
 
     def extract_command(self, layer_ids: list[int] | None = None) -> str:
         h = self.hint
         cmd = (f"draftsmith extract --target {h['target'] or 'TARGET'} --data {h['data']} "
-               f"--out {self.features_dir} --max-length {h['max_length']}")
+               f"--out {self.features_dir} --max_length {h['max_length']}")
         if h["limit"] is not None:
             cmd += f" --limit {h['limit']}"
+        if h["chat_template"] is not None:
+            cmd += f" --chat_template {h['chat_template']}"
         ids = layer_ids if layer_ids is not None else self.layer_ids
         return cmd + (f" --layer_ids [{','.join(map(str, ids))}]" if ids else "")
 
@@ -206,7 +216,9 @@ class FeatureDataModule(_LengthBatched):
         try:
             read_manifest(self.features_dir)
         except DraftsmithError as e:
-            raise DraftsmithError(f"{e}\nmake the features with:\n  {self.extract_command()}") from None
+            module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+            layers = self.layer_ids or (module.feature_layer_ids() if isinstance(module, ReadsFeatureLayers) else [])
+            raise DraftsmithError(f"{e}\nmake the features with:\n  {self.extract_command(layers)}") from None
         self.reader = FeatureReader(self.features_dir, self.layer_ids)
         self.dataset, self.lengths = self.reader, self.reader.lengths
         self._split(self.reader.ids)

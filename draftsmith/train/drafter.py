@@ -199,6 +199,16 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
             self.target_head.float()
         self.drafter.to(self.device)
 
+    def feature_layer_ids(self) -> list[int]:
+        """The target layers the drafter fuses (the target's defaults where the recipe names none), for the
+        `draftsmith extract` command a run without features is told to run. Loads the target if need be."""
+        if not self.kind.fused_layers:
+            return []
+        if self.drafter is not None or self.hparams.aux_layer_ids:
+            return list(self.aux_layer_ids if self.drafter is not None else self.hparams.aux_layer_ids)
+        target, _ = load_frozen_target(self.hparams)
+        return list(target.default_aux_layer_ids())
+
     def _start_from_target_layer(self, target: Any, kind: DrafterKind) -> None:
         start = getattr(self.drafter, "start_from_target_layer", None)
         if start is None:

@@ -276,6 +276,30 @@ def test_mismatched_features_and_missing_features_are_refused(tiny_features, tmp
     assert result.returncode == 2 and "model.init_args.aux_layer_ids: layer ids [3] are out of range" in result.stderr
 
 
+def test_the_extract_command_fit_prints_for_missing_features_makes_features_fit_takes(tiny_features, tmp_path):
+    """An EAGLE-3 recipe that names its fused layers for the model only (as the shipped ones do, or not at all)
+    and has no features yet: `fit` prints an extract command; run as printed, it makes features the same `fit`
+    trains on."""
+    import shlex
+
+    path = recipe(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40, aux_layer_ids=[1, 2])
+    config = yaml.safe_load(path.read_text())
+    config["data"]["init_args"].update(features_dir=str(tmp_path / "features"), data=str(tiny_features / "chats.json"),
+                                       max_length=256)
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli("fit", "--config", str(path), "--trainer.max_steps", "1", here=True)
+    assert result.returncode == 2 and "make the features with:" in result.stderr, result.stderr[-3000:]
+    printed = result.stderr.split("make the features with:\n  ", 1)[1].splitlines()[0]
+    assert "--layer_ids [" in printed, printed
+    command = shlex.split(printed)
+    assert command[:2] == ["draftsmith", "extract"]
+    made = run_cli(*command[1:])
+    assert made.returncode == 0, made.stderr[-3000:]
+    result = run_cli("fit", "--config", str(path), "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+                     here=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_non_finite_loss_stops_with_a_message(tiny_features, tmp_path):
     from draftsmith.train.cli import lightning_cli
 
