@@ -165,13 +165,13 @@ def evaluate(cfg: EvalConfig) -> None:
     from rich.console import Console
 
     from draftsmith.eval.evaluate import evaluate as run_evaluate
-    from draftsmith.eval.report import plots, table, write_results
+    from draftsmith.eval.report import plots, print_table, write_results
 
     results = run_evaluate(cfg)
     path = write_results(results, Path(cfg.out))
     pngs = plots(results, Path(cfg.out))
     console = Console()
-    console.print(table(results))
+    print_table(console, results)
     console.print(f"results: {path}" + (f"\nplots: {', '.join(pngs)}" if pngs else ""))
 
 
@@ -203,14 +203,20 @@ def build_parser() -> Any:
 
     parser = ArgumentParser(prog="draftsmith", description="Train speculative-decoding drafters and measure them. "
                             "`draftsmith fit --config RECIPE.yaml` trains (LightningCLI); the commands below do the rest.")
-    _add_commands(parser, COMMANDS, "draftsmith")
+    _add_commands(parser, COMMANDS, "draftsmith", help_only={"fit": FIT_HELP})
     return parser
 
 
-def _add_commands(parser: Any, commands: dict[str, Any], prog: str) -> None:
+# `fit` is LightningCLI's (main hands it over before this parser runs); listed here so that --help names it
+FIT_HELP = "Train a drafter or stop head from a recipe: `draftsmith fit --config RECIPE.yaml` (LightningCLI; --help lists every option)."
+
+
+def _add_commands(parser: Any, commands: dict[str, Any], prog: str, help_only: dict[str, str] | None = None) -> None:
     from jsonargparse import ArgumentParser
 
     subcommands = parser.add_subcommands(dest="command")
+    for name, summary in (help_only or {}).items():
+        subcommands.add_subcommand(name, ArgumentParser(prog=f"{prog} {name}", description=summary), help=summary)
     nested = []
     for name, entry in commands.items():
         if isinstance(entry, dict):  # a command group, e.g. `data stats`: its own commands are added after it
@@ -280,6 +286,18 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return out
 
 
+# What an interrupted command leaves, and how to go on (Ctrl-C): each says only what it keeps.
+INTERRUPTED = {
+    "extract": "finished shards are kept; rerun the same command to resume",
+    "labels": "finished shards are kept; rerun the same command to resume",
+    "regenerate": "the chats written are kept; rerun the same command to resume",
+    "run": "finished stages are kept (training's last.ckpt too); rerun the same command to resume",
+    "fit": "training's last.ckpt is kept; rerun with --ckpt_path last to resume",
+    "eval": "an eval keeps nothing until it ends; rerun it",
+    "tune": "tune writes its choice at the end: nothing was written; rerun it",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = normalize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -293,8 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: finished shards (or regenerated chats) are kept; rerun the same command to resume",
-              file=sys.stderr)
+        print(f"interrupted: {INTERRUPTED.get(argv[0] if argv else '', 'nothing is kept')}", file=sys.stderr)
         sys.exit(130)
     except SystemExit as stop:  # Lightning's stop on SIGTERM is a SystemExit of status 0
         lightning = sys.modules.get("pytorch_lightning.utilities.exceptions")

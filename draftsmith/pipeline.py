@@ -40,9 +40,9 @@ def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, optio
 
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
     decode = {f.name: getattr(options, f.name) for f in fields(DecodeOptions)}
+    decode["max_prompt_length"] = options.max_prompt_length or data.get("max_length")
     return EvalConfig(target=model["target"], chat_template=model.get("chat_template"), drafter=drafter, data=data.get("data", "sharegpt"),
-                      val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out,
-                      max_prompt_length=data.get("max_length"), **decode)
+                      val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out, **decode)
 
 
 def _layers_needed(model: dict[str, Any], data: dict[str, Any]) -> list[int]:
@@ -148,7 +148,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
 
     from draftsmith.train.cli import lightning_cli
     from draftsmith.eval.evaluate import evaluate
-    from draftsmith.eval.report import plots, table, write_results
+    from draftsmith.eval.report import plots, print_table, write_results
     from draftsmith.export import export
     from draftsmith.train.checkpoints import best_checkpoint, checkpoint_state, training_finished
 
@@ -188,7 +188,7 @@ def run_recipe(cfg: RunConfig, console: Any) -> dict[str, Any]:
     results["checkpoint"] = str(best)
     json_path = write_results(results, Path(eval_cfg.out))
     pngs = plots(results, Path(eval_cfg.out))
-    console.print(table(results))
+    print_table(console, results)
     if "acceptance" in results:  # a --sweep has its rows in the table
         acc, speed = results["acceptance"], results["speed"]
         console.print(f"[bold]τ = {acc['tau']:.2f}[/] (mean accepted {acc['mean_accepted']:.2f}), "

@@ -144,6 +144,15 @@ def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
         cfg(tiny_target_dir, chats_file, tmp_path, engine="vllm", devices=2)
 
 
+def test_a_file_without_a_usable_chat_is_refused_with_what_it_holds(tiny_target_dir, chats_file, tmp_path):
+    """Not "records 0 of 0" and exit 0, to be found out at `fit`: the reasons `data stats` gives, and exit 2."""
+    empty = tmp_path / "no-messages.jsonl"
+    empty.write_text(json.dumps({"id": "a", "text": "no messages here"}) + "\n")
+    result = run_cli("extract", "--target", str(tiny_target_dir), "--data", str(empty), "--out", str(tmp_path / "f"))
+    assert result.returncode == 2 and "holds no chat to extract: 1 read, skipped: no messages field 1" in result.stderr
+    assert "draftsmith data stats --data" in result.stderr
+
+
 def test_the_vllm_engine_without_vllm_says_where_to_get_it(tiny_target_dir, chats_file, tmp_path, monkeypatch):
     import importlib.util
 

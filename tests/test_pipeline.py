@@ -41,6 +41,8 @@ def test_heldout_prompts_are_exactly_the_recipe_validation_split(tmp_path):
     cfg["data"]["init_args"]["max_length"] = 40
     eval_cfg = recipe_eval_config(cfg, None, str(tmp_path / "eval"), DecodeOptions(prompts="heldout"))
     assert eval_cfg.max_prompt_length == 40
+    longer = recipe_eval_config(cfg, None, str(tmp_path / "eval"), DecodeOptions(prompts="heldout", max_prompt_length=900))
+    assert longer.max_prompt_length == 900  # `run --max_prompt_length` overrides the recipe's
     short = load_prompts(eval_cfg.prompts, None, "first", eval_cfg.data, eval_cfg.val_fraction, eval_cfg.data_limit,
                          lambda p: len(p["turns"][0]) < 30)
     assert [p["id"] for p in short] == [p["id"] for p in prompts if len(p["turns"][0]) < 30] != expected

@@ -63,6 +63,8 @@ class DecodeOptions(SamplingOptions):
         alpha: the mode's leniency: larger alpha accepts more of the drafter's tokens.
         sweep: run the mode over a grid of leniencies in one process, e.g. alpha=0,0.1,0.3 (overrides
             --alpha); results.json gets a row per point.
+        max_prompt_length: leave out prompts whose first turn, templated, is longer (`run`: default the
+            recipe's data.max_length, the longest chat it trained on).
     """
 
     prompts: str = "mtbench"
@@ -84,6 +86,7 @@ class DecodeOptions(SamplingOptions):
     rule: str | None = None
     alpha: float = 0.0
     sweep: str | None = None
+    max_prompt_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -112,6 +115,10 @@ class DecodeOptions(SamplingOptions):
             raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
             raise DraftsmithError(f"--alpha must be in [0, 1), got {self.alpha}")
+        if self.rule is None and self.mode != "exact":  # the mode's default, named so that results.json says it
+            from draftsmith.runtime.targets import MODES
+
+            self.rule = MODES[self.mode][0] if self.mode in MODES else None
         for alpha in self.alphas():
             self.target_rule(alpha)
         self.tree_shape()
@@ -163,7 +170,6 @@ class EvalConfig(DecodeOptions):
         data: the chats whose validation split `--prompts heldout` evaluates on.
         val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
         data_limit: the number of conversations the training split was drawn from (as the recipe's data.limit).
-        max_prompt_length: leave out prompts whose first turn, templated, is longer (`run`: the recipe's max_length).
         out: the results directory.
     """
 
@@ -173,7 +179,6 @@ class EvalConfig(DecodeOptions):
     data: str = "sharegpt"
     val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
-    max_prompt_length: int | None = None
     out: str = "runs/eval"
 
 
@@ -221,6 +226,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import measure
+    from draftsmith.eval.machine import OTHERS_LIMIT, CpuShare, load_average
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
     from draftsmith.runtime.loading import load_proposer, load_stop_head
@@ -251,7 +257,13 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit,
                            fits if cfg.max_prompt_length else None)
     if not prompts:
-        raise DraftsmithError(f"no {cfg.prompts} prompt is at most --max_prompt_length {cfg.max_prompt_length} tokens long")
+        held = len(load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit))
+        if not held:
+            raise DraftsmithError(f"no {cfg.prompts} prompt: the validation split of {cfg.data} (--val_fraction "
+                                  f"{cfg.val_fraction}, --data_limit {cfg.data_limit}) holds no chat; give more chats "
+                                  "or a larger validation share")
+        raise DraftsmithError(f"none of the {held} {cfg.prompts} prompts is at most --max_prompt_length "
+                              f"{cfg.max_prompt_length} tokens long: give a larger --max_prompt_length")
 
     conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
     if cfg.turns == "both":  # the second turn follows the target's own (greedy) first answer
@@ -276,8 +288,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []
-    load_before = _load_average()
-    with Bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    load_before = load_average()
+    with CpuShare() as share, Bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("eval", total=len(ids) * cfg.repeats * 2 * len(rules) + len(chats))
 
@@ -306,14 +318,20 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     results["config"] = {**asdict(cfg), "dtype": target.dtype_name, "drafter": description, "eos_token_ids": list(eos),
                          "num_prompts": len(ids), "prompt_ids": [p["id"] for p in prompts], "target_identity": target.identity.as_dict()}
     results["machine"] = machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                                    "load_average": [load_before, _load_average()]}
-    busy = max((x for x in machine["load_average"] if x is not None), default=0.0)
-    shared = busy > machine["threads"] + 1  # other work on the CPU: the arms' ratio is not this machine's
+                                    "load_average": [load_before, load_average()], "others_cpu_share": share.others}
+    if share.others is not None:  # what other processes took while the arms were timed
+        shared = share.others > OTHERS_LIMIT
+        why = f"other processes took {share.others:.0%} of the machine's CPU time while the arms were timed"
+    else:  # no kernel counters: the load average, a minute behind, is all there is
+        busy = max((x for x in machine["load_average"] if x is not None), default=0.0)
+        shared = busy > machine["threads"] + 1
+        why = f"the 1-minute load average reached {busy:.1f} with {machine['threads']} threads of ours"
     for point in points:
         point["speed"]["valid"] = not shared
     if shared:
-        console.print(f"[yellow]warning:[/] the 1-minute load average reached {busy:.1f} with {machine['threads']} "
-                      "threads of ours: other work shared the CPU, so tokens/s and speedup are not this machine's")
+        machine["not_valid_because"] = why
+        console.print(f"[yellow]warning:[/] {why}: other work shared the CPU, so tokens/s and speedup are not "
+                      "this machine's")
     return results
 
 
@@ -378,11 +396,3 @@ def text_quality(cfg: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any,
     if cfg.temperature == 0:
         out["agreement"] = agreement(outputs["method"], outputs["autoregressive"])
     return out
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average (None where the OS has none): other processes on the CPU skew timings."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None

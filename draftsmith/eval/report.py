@@ -14,8 +14,10 @@ def write_results(results: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def quality_line(quality: dict[str, Any]) -> str:
-    """The generated text's quality, method against the target alone, in a line."""
+def quality_line(quality: dict[str, Any], said: tuple[str, ...] = ()) -> str:
+    """The generated text's quality, method against the target alone, in a line (less the measures `said`
+    already)."""
+    quality = {k: v for k, v in quality.items() if k not in said}
     parts = []
     if "rouge_l" in quality:
         parts.append(f"ROUGE-L {quality['rouge_l']['method']:.3f} (target {quality['rouge_l']['autoregressive']:.3f})")
@@ -30,9 +32,29 @@ def quality_line(quality: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def not_valid_because(results: dict[str, Any]) -> str:
+    """Why a run's speed is not this machine's (results.json's `machine`)."""
+    machine = results.get("machine", {})
+    if machine.get("not_valid_because"):
+        return machine["not_valid_because"]
+    load = max((x for x in machine.get("load_average", []) if x is not None), default=0.0)
+    return f"other work shared the CPU (load average {load:.1f})"
+
+
 def speedup_cell(speedup: float, valid: bool, style: str = "") -> str:
     """A speedup as the tables print it; struck as not valid when other work shared the CPU while it was timed."""
     return f"{style}{speedup:.2f}x" if valid else f"[red]({speedup:.2f}x) not valid"
+
+
+WIDE = 160  # the width a table is printed at off a terminal (a log file, a pipe), where nothing wraps it
+
+
+def print_table(console: Any, results: dict[str, Any]) -> None:
+    """Print a run's table; off a terminal (a log file, a pipe) at least `WIDE` columns wide, where rich would
+    otherwise squeeze it into 80 and cut every header short."""
+    if not console.is_terminal and console.width < WIDE:
+        console.width = WIDE
+    console.print(table(results))
 
 
 def sweep_table(results: dict[str, Any]) -> Any:
@@ -104,18 +126,17 @@ def table(results: dict[str, Any]) -> Any:
         t.caption += f"  generated tokens inside the draft vocabulary {acc['draft_vocab_coverage']:.1%}"
     config = results["config"]
     if not valid:
-        load = max((x for x in results.get("machine", {}).get("load_average", []) if x is not None), default=0.0)
-        t.caption += (f"  SPEEDUP NOT VALID: other work shared the CPU (load average {load:.1f}); "
-                      f"rerun on a quiet machine")
+        t.caption += f"  SPEEDUP NOT VALID: {not_valid_because(results)}; rerun on a quiet machine"
     agreement = results.get("quality", {}).get("agreement", 1.0)  # measured at temperature 0
-    if config.get("mode", "exact") == "exact" and agreement < 1:
+    differ = config.get("mode", "exact") == "exact" and agreement < 1
+    if differ:
         t.caption += (f"  OUTPUTS DIFFER from the target's greedy text (agreement {agreement:.0%}): rounding near ties "
                       f"in {config.get('dtype', 'this type')}, where a many-row product does not round as a one-row one")
     if config.get("mode", "exact") != "exact":  # not lossless: the output is not the target's own
         t.caption += (f"  LOSSY: --mode {config['mode']} --rule {config.get('rule') or 'default'} "
                       f"--alpha {config.get('alpha')}")
     if results.get("quality"):
-        t.caption += "  " + quality_line(results["quality"])
+        t.caption += "  " + quality_line(results["quality"], said=("agreement",) if differ else ())
     return t
 
 
@@ -189,8 +210,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     axes[0].bar(cats, [results["per_category"][c]["tau"] for c in cats], color="#55A868")
     axes[0].set_title("τ by category")
-    axes[1].bar(cats, [results["per_category"][c]["speedup"] for c in cats], color="#C44E52")
-    axes[1].axhline(1.0, color="black", lw=0.8, ls="--")
+    if results["speed"].get("valid", True):
+        axes[1].bar(cats, [results["per_category"][c]["speedup"] for c in cats], color="#C44E52")
+        axes[1].axhline(1.0, color="black", lw=0.8, ls="--")
+    else:  # a ratio timed beside other work is not this machine's: no bar to misread
+        axes[1].text(0.5, 0.5, "not valid:\nother work shared the CPU", ha="center", va="center",
+                     transform=axes[1].transAxes, color="#C44E52")
     axes[1].set_title("speedup over autoregressive")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)

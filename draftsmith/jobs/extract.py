@@ -173,6 +173,9 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
 
     convs, source_report = load_conversations(cfg.data, limit=cfg.limit)
+    if not convs:
+        raise DraftsmithError(f"{cfg.data} holds no chat to extract: {describe_skips(source_report.read, source_report.skipped)}"
+                              f"; `draftsmith data stats --data {cfg.data}` shows what it holds")
     device = str(fabric.device) if fabric else cfg.device
     if fabric:
         dtype = fabric.broadcast(dtype)
@@ -249,11 +252,20 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         tokens = int(fabric.all_reduce(torch.tensor(tokens), reduce_op="sum"))
     manifest = build_manifest(out, num_parts, source_report.as_dict()) if rank == 0 else {}
     barrier()
+    if rank == 0 and not manifest["num_records"]:
+        raise DraftsmithError(f"no chat of {cfg.data} could be extracted: "
+                              f"{describe_skips(len(convs), Counter(manifest['skipped']))} (--max_length {cfg.max_length})")
     if rank == 0:
         manifest = dict(manifest, this_run={"processes": world, "shards_written": num_parts - existing,
                                             "seconds": round(elapsed, 2),
                                             "tokens_per_second": round(tokens / elapsed, 1) if elapsed else None})
     return manifest
+
+
+def describe_skips(read: int, skipped: Counter) -> str:
+    """'read N, skipped: reason n, ...' as a message says it."""
+    reasons = ", ".join(f"{reason.replace('_', ' ')} {n}" for reason, n in skipped.most_common()) or "none"
+    return f"{read} read, skipped: {reasons}"
 
 
 def holds_part(path: Path, size: int) -> bool:

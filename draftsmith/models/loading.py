@@ -42,7 +42,8 @@ def load_native(directory: str | Path, target: Any) -> Any:
     diffs = target.identity.differences(config["target"])
     if diffs:
         raise DraftsmithError(f"drafter in {directory} was trained for another target: {'; '.join(diffs)}; "
-                              "re-export the drafter for this target")
+                              "a drafter reads its own target's features: train one for this target (a recipe "
+                              "with this model.init_args.target)")
     return drafter_from_tensors(config["kind"], tensors, target, config.get("aux_layer_ids", []),
                                 config.get("drafter_options", {}))
 

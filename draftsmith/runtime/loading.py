@@ -32,6 +32,9 @@ def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tupl
         head_ids = standalone_head_ids(path, target, head_vocab)
         what = f"standalone ({path.name}" + (f", {len(head_ids)}-token head)" if head_ids is not None else ")")
         return ModelProposer(model, target.vocab_size, head_ids), what
+    if not path.is_dir():
+        raise DraftsmithError(f"--drafter {path}: no such directory; give a native export "
+                              "(`draftsmith export CKPT --format native --out DIR`)")
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"{path}: not a drafter export; run `draftsmith export CKPT --format native --out DIR`")
     config = json.loads((path / "config.json").read_text())
@@ -64,7 +67,7 @@ def standalone_head_ids(path: Path, target: Any, head_vocab: int) -> torch.Tenso
     counts = load_file(str(path / TOKEN_COUNTS))["token_counts"]
     if len(counts) != target.vocab_size:
         raise DraftsmithError(f"{path / TOKEN_COUNTS}: {len(counts)} token counts for a target vocabulary of "
-                              f"{target.vocab_size}; re-export the drafter trained for this target")
+                              f"{target.vocab_size}: this drafter was trained for another target; train one for this target")
     tok = target.tokenizer
     specials = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
     return draft_vocab(counts, head_vocab, always=specials)

@@ -19,7 +19,13 @@ from draftsmith.models.precision import resolve_precision
 class Trainer(pl.Trainer):
     def __init__(self, *args: Any, accelerator: str | Any = "auto",
                  precision: _PRECISION_INPUT | Literal["auto"] | None = None, **kwargs: Any) -> None:
-        """precision: as Lightning's, or "auto": bf16-mixed or 32-true, whichever trains faster here (measured)."""
+        """Lightning's Trainer with one more precision (every other option is Lightning's own).
+
+        Args:
+            accelerator: "cpu", "gpu", "cuda", "mps", "tpu", or "auto" (the one this machine has).
+            precision: as Lightning's ("32-true", "bf16-mixed", ...), or "auto": bf16-mixed or 32-true, whichever
+                trains faster on this machine (measured once and printed).
+        """
         super().__init__(*args, accelerator=accelerator, precision=resolve_precision(precision, accelerator), **kwargs)
 
 

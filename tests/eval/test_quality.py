@@ -122,6 +122,8 @@ def test_eval_sweep_end_to_end(eagle3_ckpt, tiny_features, tmp_path):
     assert 0 <= lenient["quality"]["rouge_l"]["method"] <= 1 and strict["acceptance"]["tau"] >= 1
     assert (tmp_path / "e" / "quality_vs_latency.png").is_file()
     assert "sweep" in result.stdout and "LOSSY" in result.stdout
+    # redirected output is not squeezed into 80 columns: every header whole, no cell cut short
+    assert "…" not in result.stdout and "latency vs target" in result.stdout and "agreement" in result.stdout
     from rich.console import Console
 
     from draftsmith.eval.report import table
