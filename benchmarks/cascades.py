@@ -16,7 +16,7 @@ From the T = 1 curves: speedup_at_target_quality_<method> (the speedup of the fa
 reference loss is no worse than the target's; none when no point gets there) and best_loss_<method>
 (the lowest loss among points no slower than the target). Writes the plot and the points as JSON.
 
-    python benchmarks/cascades.py [--drafter DIR] [--data-limit 800] [--prompts 5] [--chats 12] [--max-new-tokens 48]
+    python benchmarks/cascades.py [--drafter DIR] [--data_limit 800] [--prompts 5] [--chats 12] [--max_new_tokens 48]
 
 DIR is a native export of the standalone drafter (by default the one `draftsmith run
 recipes/smollm2-135m/standalone-cpu.yaml` writes). Ends with `RESULT speedup_at_target_quality_lossy=...`.
@@ -46,12 +46,12 @@ METHODS = {
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/standalone-cpu/export-native"))
-    ap.add_argument("--data-limit", type=int, default=800, help="the recipe's data.limit (its validation split)")
+    ap.add_argument("--data_limit", type=int, default=800, help="the recipe's data.limit (its validation split)")
     ap.add_argument("--prompts", type=int, default=5, help="held-out prompts decoded per point")
-    ap.add_argument("--max-prompt-tokens", type=int, default=128,
+    ap.add_argument("--max_prompt_tokens", type=int, default=128,
                     help="decode prompts no longer than this (a long prefill would hide the decoding's latency)")
     ap.add_argument("--chats", type=int, default=12, help="held-out chats whose reference answers score quality")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max_new_tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--fallback", type=float, default=0.4, help="BiLD's fallback threshold")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])

@@ -1,7 +1,7 @@
 """Which draft shape pays best for a drafter on this machine: τ and speedup per shape, one process.
 
     python benchmarks/draft_shapes.py [--drafter DIR] [--shapes chain3 3,4,8 4,4,12 5,6,24]
-                                      [--limit 20] [--max-new-tokens 128] [--passes 2]
+                                      [--limit 20] [--max_new_tokens 128] [--passes 2]
 
 Loads the target and the drafter once, then decodes the same MT-bench first turns greedily with
 every shape (`chainK`: static chains of K; `D,K,T`: EAGLE-2 trees of depth D, top-k K, T tokens;
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/hass-cpu-full/export-native"))
     ap.add_argument("--shapes", nargs="+", default=["chain3", "3,4,8", "4,4,12", "5,6,24"])
     ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="the target's decoder through torch.compile (the warm-up compiles)")

@@ -26,11 +26,11 @@ autoregressive step time), tokens/s and the speedup. `ratio_<kind>` = the kind's
 ÷ eagle3's. A plot of τ and speedup by kind goes to `--out`/drafter_kinds.png.
 
     python benchmarks/drafter_kinds.py [--minutes 20] [--prompts 20] [--kinds eagle3,dflash,...]
-    python benchmarks/drafter_kinds.py --kinds eagle3 --lever NAME='OVERRIDES' [--lever ...] [--train-only]
+    python benchmarks/drafter_kinds.py --kinds eagle3 --lever NAME='OVERRIDES' [--lever ...] [--train_only]
 
 `--lever` adds an arm of the eagle3-cpu recipe with `draftsmith fit` overrides (a lever: one setting changed,
 the same budget), trained and decoded like the others (with `--kinds ''` the lever arms alone, against an
-eagle3 arm measured before); `--train-only` stops after training and reports each arm's validation alone
+eagle3 arm measured before); `--train_only` stops after training and reports each arm's validation alone
 (`RESULT val_tau_<arm>=... val_tau_t1_<arm>=... steps_<arm>=...`).
 
 Ends with `RESULT tau_eagle3=... tau_dflash=... tau_dspark=... tau_peagle=... ratio_dflash=...
@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--lever", action="append", default=[], metavar="NAME=OVERRIDES",
                     help="an extra eagle3-cpu arm trained with these fit overrides, e.g. "
                          "min_lr='--model.init_args.min_lr_ratio 0.0' (repeatable)")
-    ap.add_argument("--train-only", action="store_true", help="report each arm's validation and stop before decoding")
+    ap.add_argument("--train_only", action="store_true", help="report each arm's validation and stop before decoding")
     args = ap.parse_args()
     named = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in named if k not in ARMS]

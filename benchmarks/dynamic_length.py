@@ -20,7 +20,7 @@ thresholds tuned for trees (`draftsmith tune --tree DEPTH,TOPK,TOKENS`).
 Plots: speedup by policy (dynamic_length.png) and, with --labels, each head's calibration on the
 labels' validation chats (calibration.png).
 
-    python benchmarks/dynamic_length.py --drafter DIR [--labels LABELS] [--limit 16] [--max-new-tokens 128]
+    python benchmarks/dynamic_length.py --drafter DIR [--labels LABELS] [--limit 16] [--max_new_tokens 128]
         [--tree 4,4,12 --suffix _tree]
 
 DIR is a native export carrying tuned specdec and disco heads. Ends with
@@ -50,16 +50,16 @@ def main() -> None:
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--labels", default=None, help="label directory: calibration plot of each head on its validation chats")
     ap.add_argument("--data", default="sharegpt", help="the drafter's training chats (their validation split picks K)")
-    ap.add_argument("--data-limit", type=int, default=None, help="the drafter recipe's data.limit")
+    ap.add_argument("--data_limit", type=int, default=None, help="the drafter recipe's data.limit")
     ap.add_argument("--sets", nargs="+", default=["mtbench", "humaneval"])
     ap.add_argument("--limit", type=int, default=16, help="MT-bench prompts (spread over categories)")
-    ap.add_argument("--humaneval-limit", type=int, default=8, help="HumanEval prompts")
-    ap.add_argument("--val-limit", type=int, default=8, help="held-out prompts that choose the best static K")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--humaneval_limit", type=int, default=8, help="HumanEval prompts")
+    ap.add_argument("--val_limit", type=int, default=8, help="held-out prompts that choose the best static K")
+    ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--t1-sets", nargs="+", default=["mtbench"], help="prompt sets also run at T > 0")
+    ap.add_argument("--t1_sets", nargs="+", default=["mtbench"], help="prompt sets also run at T > 0")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--head-vocab", type=int, default=8192)
+    ap.add_argument("--head_vocab", type=int, default=8192)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--suffix", default="", help="appended to every RESULT key, e.g. _feature")
     ap.add_argument("--tree", default=None, help="DEPTH,TOPK,TOKENS: EAGLE-2 tree rounds (feature drafters)")

@@ -18,7 +18,7 @@ Per format it prints both τ, both per-position acceptance rates, the share of p
 are token-for-token identical, and both tokens/s (the same prompts, one at a time, after a warm-up).
 
     python benchmarks/engine_parity.py --drafter DIR [--drafter DIR2] [--limit 20] [--k 3]
-                                       [--max-new-tokens 256] [--compile]
+                                       [--max_new_tokens 256] [--compile]
 
 Ends with one `RESULT format=... tau_vllm=... tau_draftsmith=... identical=...` line per format, or
 `RESULT format=... vllm_refused="..."` with the engine's own words where vLLM refuses the drafter or its
@@ -114,7 +114,7 @@ def vllm_arm(fmt: str, export_dir: Path, target_dir: str, prompts: list[list[int
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(work / f"vllm-{fmt}.log", "w") as log:
-        done = subprocess.run([str(ENGINES_PYTHON), __file__, "--vllm-worker", str(work / f"job-{fmt}.json")],
+        done = subprocess.run([str(ENGINES_PYTHON), __file__, "--vllm_worker", str(work / f"job-{fmt}.json")],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:  # the engine's own refusal: the first error it names
         log = (work / f"vllm-{fmt}.log").read_text()
@@ -136,10 +136,10 @@ def main() -> None:
     ap.add_argument("--drafter", action="append", help="a native feature-drafter export (repeatable)")
     ap.add_argument("--limit", type=int, default=20, help="MT-bench first turns")
     ap.add_argument("--k", type=int, default=3, help="chain length K (drafted tokens per round)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (default: eager, as draftsmith runs)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench" / "engine_parity"))
-    ap.add_argument("--vllm-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm_worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_worker:
         return vllm_worker(args.vllm_worker)

@@ -6,7 +6,7 @@ extract` end to end (tokenizing, forward, hidden-state copies, dtype casts, shar
 writes, manifest) into a fresh directory. Arms alternate; the median of the repeats is
 compared. Both count real (unpadded) tokens.
 
-    python benchmarks/extract_throughput.py [--limit 48] [--max-length 512] [--repeats 3]
+    python benchmarks/extract_throughput.py [--limit 48] [--max_length 512] [--repeats 3]
 
 Ends with `RESULT ratio=<extract tok/s / plain tok/s> ...`; the target is >= 0.9.
 """
@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--data", default="sharegpt")
     ap.add_argument("--limit", type=int, default=48)
-    ap.add_argument("--max-length", type=int, default=512)
-    ap.add_argument("--layer-ids", type=int, nargs="*", default=[2, 15, 27])
+    ap.add_argument("--max_length", type=int, default=512)
+    ap.add_argument("--layer_ids", type=int, nargs="*", default=[2, 15, 27])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()

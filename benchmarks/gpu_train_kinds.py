@@ -173,8 +173,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps an arm runs at most")
     ap.add_argument("--minutes", type=float, default=2.5, help="an arm's training time at most")
     ap.add_argument("--warmup", type=int, default=10, help="steps before the timing starts")
-    ap.add_argument("--max-tokens", type=int, default=None, help="padded tokens a batch (default: the recipe's)")
-    ap.add_argument("--max-length", type=int, default=2048, help="tokens a chat")
+    ap.add_argument("--max_tokens", type=int, default=None, help="padded tokens a batch (default: the recipe's)")
+    ap.add_argument("--max_length", type=int, default=2048, help="tokens a chat")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # the parent runs each arm as `--arm NAME --target DIR`
     ap.add_argument("--target", help=argparse.SUPPRESS)

@@ -19,9 +19,25 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Options spelled as draftsmith's commands spell them, `--max_new_tokens`; `--max-new-tokens` is taken too,
+    as the command line takes it (up to a bare `--`, after which arguments are another program's)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)
+        for i, arg in enumerate(args[:end]):
+            if arg.startswith("--"):
+                name, eq, value = arg.partition("=")
+                args[i] = "--" + name[2:].replace("-", "_") + eq + value
+        return super().parse_known_args(args, namespace)
+
+
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's command line, its module docstring as the help."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def synchronize() -> None:

@@ -4,7 +4,7 @@ Trains two drafters for the same number of optimizer steps over the same batches
 features), then scores both on the same validation chats with the same yardstick: the simulated
 acceptance length τ̂ of a greedy chain of `--chain` drafted tokens, where every drafted token after
 the first is made from the drafter's own features (as at decoding time), and the same figure for a
-longer chain (`--long-chain`, the runtime's tree depth).
+longer chain (`--long_chain`, the runtime's tree depth).
 
 Then both drafters decode the same MT-bench prompts through the runtime (greedy, EAGLE-2 trees
 `--tree`, bf16): the acceptance length τ measured the way the HASS paper measures it. Greedy
@@ -27,8 +27,8 @@ repository root: the recipes' paths are relative to it). Each trained arm is kep
 (`<arm>/trained.ckpt`): rerunning the same command reuses it, so a run cut off in its second arm
 trains only that arm again (an arm whose module the code now builds with other options trains again too).
 
-    python benchmarks/hass_vs_eagle.py [--pair full] [--steps N] [--chain 3] [--long-chain 6]
-                                       [--decode-prompts 20] [--tree 6,10,60] [--features DIR]
+    python benchmarks/hass_vs_eagle.py [--pair full] [--steps N] [--chain 3] [--long_chain 6]
+                                       [--decode_prompts 20] [--tree 6,10,60] [--features DIR]
 
 Ends with `RESULT tau_<baseline>=... tau_<aligned>=... ratio=<aligned/baseline> ratio_long=...
 ratio_decode=...`; the issue's target is HASS / EAGLE >= 1.05. docs/benchmarks.md has the figures.
@@ -129,9 +129,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help=f"optimizer steps per arm (default: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
     ap.add_argument("--chain", type=int, default=3)
-    ap.add_argument("--long-chain", type=int, default=6, help="a second, longer chain for τ̂ (0: none)")
-    ap.add_argument("--decode-prompts", type=int, default=20, help="MT-bench first turns decoded per drafter (0: none)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--long_chain", type=int, default=6, help="a second, longer chain for τ̂ (0: none)")
+    ap.add_argument("--decode_prompts", type=int, default=20, help="MT-bench first turns decoded per drafter (0: none)")
+    ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--tree", default="6,10,60", help="DEPTH,TOPK,TOKENS of the trees decoded (EAGLE-2's defaults)")
     ap.add_argument("--features", help="a feature directory for both arms instead of their recipe's own (it must "
                     "hold the recipe's layers; e.g. the 3600-chat one for --pair eagle-hass at larger budgets)")

@@ -1,10 +1,10 @@
 """Regeneration speed: transformers' batched generate, vLLM's offline engine and a local `vllm serve`.
 
-The same first user turns of `--prompts` ShareGPT conversations (default 200), `--max-new-tokens` each
+The same first user turns of `--prompts` ShareGPT conversations (default 200), `--max_new_tokens` each
 (default 256), answered by the target (the embedded default) through `draftsmith regenerate`'s three
 answerers in one process and through the command's own loop (`regenerate_chunk`: prompts grouped by
-length, a prompt without room for a full answer within `--max-length` skipped, as `regenerate` does):
-transformers' generate in batches of `--batch-size` (regenerate's default 16), vLLM's `LLM` fed every
+length, a prompt without room for a full answer within `--max_length` skipped, as `regenerate` does):
+transformers' generate in batches of `--batch_size` (regenerate's default 16), vLLM's `LLM` fed every
 prompt of a pass at once, and an OpenAI-compatible `vllm serve` on a free 127.0.0.1 port with
 `--concurrency` requests in flight. The prompts are split into `--passes` passes and the arms alternate
 within each pass (their order rotated), so a busy neighbour weighs on all alike. One dtype for all
@@ -13,7 +13,7 @@ generated over its seconds; greedy (T = 0), so the arms' answers are also compar
 
 Runs in .venv-engines (vLLM's CPU build beside draftsmith, `make engines`):
 
-    .venv-engines/bin/python benchmarks/regenerate.py [--prompts 200] [--max-new-tokens 256]
+    .venv-engines/bin/python benchmarks/regenerate.py [--prompts 200] [--max_new_tokens 256]
 
 Ends with `RESULT tps_transformers=... tps_vllm=... tps_endpoint=... ratio_vllm=... ratio_endpoint=...
 identical_vllm=... identical_endpoint=...` (ratios over transformers; identical_*: the share of answers
@@ -63,10 +63,10 @@ def start_server(source: str, dtype: str, max_len: int, log: Path) -> tuple[subp
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=200)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--passes", type=int, default=4)
-    ap.add_argument("--max-length", type=int, default=2048, help="prompt + answer tokens (regenerate's default)")
-    ap.add_argument("--batch-size", type=int, default=16, help="transformers' batch")
+    ap.add_argument("--max_length", type=int, default=2048, help="prompt + answer tokens (regenerate's default)")
+    ap.add_argument("--batch_size", type=int, default=16, help="transformers' batch")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight at the endpoint")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-regenerate")

@@ -47,13 +47,13 @@ fixed-capacity KV slabs and, on a GPU, each target and drafter forward replayed 
 `ar_ms_graphs`, `ratio_<shape>_graphs`, and `ar_replay_ms_graphs`: the one-token graph's replay alone).
 The graphs arm folds the query heads that share a key/value head into the rows of one attention call
 (the graphs' default); `--unfolded` adds the same without (`gqa=False`: transformers copies the keys
-and values per query head under the mask; `_unfolded` keys). `--compile-blocks` adds the graphs arm with
+and values per query head under the mask; `_unfolded` keys). `--compile_blocks` adds the graphs arm with
 the target's norms and MLPs compiled (`TargetRunner(graphs=True, compile_blocks=True)`, `_blocks` keys; their compilation is
 the arm's first calls, outside the timings).
 
 On a GPU (`--device cuda`), with a random-weight target of a known shape (no download):
 
-    python benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft-vocab 32000 --graphs
+    python benchmarks/round_cost.py --device cuda --target random:llama-3.1-8b --draft_vocab 32000 --graphs
 
 also measures the device's copy bandwidth and prints the autoregressive step against its floor, the
 bytes of weights one step reads over that bandwidth (`ar_floor_ms`, `copy_gbps`). The drafter is a
@@ -97,13 +97,13 @@ def main() -> None:
                     help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
     ap.add_argument("--unfolded", action="store_true",
                     help="add the fixed-shape runner without its grouped query heads folded (graphs=True, gqa=False)")
-    ap.add_argument("--compile-blocks", action="store_true",
+    ap.add_argument("--compile_blocks", action="store_true",
                     help="add the fixed-shape runner with the target's norms and MLPs compiled (graphs=True, compile_blocks=True)")
     ap.add_argument("--arms", default=None, help="keep only these arms (comma-separated: runtime,reference,graphs,...)")
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct",
                     help=f"the embedded target, or random:<shape> with shape one of {sorted(RANDOM_TARGETS)}")
     ap.add_argument("--layers", type=int, default=None, help="a random target's decoder layers (default: the shape's)")
-    ap.add_argument("--draft-vocab", type=int, default=8192, help="the fresh drafter's head size")
+    ap.add_argument("--draft_vocab", type=int, default=8192, help="the fresh drafter's head size")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--generate", type=int, default=0,
                     help="also decode this many tokens with generate (plain, first chain, first tree): the loop's share")

@@ -2,7 +2,7 @@
 uniform per row) against `torch.multinomial` (an exponential per vocabulary entry), side by side in
 one process, per draw and per decoding round.
 
-    python benchmarks/sampling_cost.py [--drafter DIR] [--prompts 3] [--new-tokens 48] [--repeats 3]
+    python benchmarks/sampling_cost.py [--drafter DIR] [--prompts 3] [--new_tokens 48] [--repeats 3]
                                        [--k 3] [--dtype bfloat16]
 
 Per draw: one token from a distribution over the target's vocabulary (49,152 for the embedded
@@ -40,7 +40,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--drafter", default=None, help="a native feature-drafter export (default: a fresh EAGLE-3)")
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=3, help="drafted tokens per round")
     ap.add_argument("--dtype", default="bfloat16")

@@ -6,19 +6,19 @@ too), the same step budget, the user turns of the same `--limit` ShareGPT chats.
 Both then decode the same MT-bench prompts greedily with EAGLE-2 trees through the runtime
 (greedy decoding commits the target's tokens, so both see the same text): τ and the ratio.
 
-    python benchmarks/self_distill.py [--limit 400] [--self-limit N] [--steps 240] [--decode-prompts 20]
+    python benchmarks/self_distill.py [--limit 400] [--self_limit N] [--steps 240] [--decode_prompts 20]
                                       [--tree 6,10,60] [--recipe R] [--engine transformers|vllm]
 
 `--engine vllm` regenerates through vLLM's offline engine (`draftsmith regenerate --engine vllm`; run the
 script with .venv-engines/bin/python, where vLLM is installed) into sharegpt-self-vllm.jsonl.
 
 The target's first-turn answers (≤ 256 tokens) are shorter than ShareGPT's whole chats: at the
-same --limit the self arm has about half the loss tokens. `--self-limit` (default --limit) gives
+same --limit the self arm has about half the loss tokens. `--self_limit` (default --limit) gives
 the self arm more chats; the script prints both arms' loss tokens.
 
 Makes what is missing first, resumably (the same commands a user would run):
 runs/smollm2-135m/sharegpt-self.jsonl (regenerate: first turns, 256 new tokens; a larger
---self-limit extends it), features-self-SELF_LIMIT and features-sharegpt-LIMIT (extract, max length 512).
+--self_limit extends it), features-self-SELF_LIMIT and features-sharegpt-LIMIT (extract, max length 512).
 Ends with `RESULT tau_sharegpt=... tau_self=... ratio=<self/sharegpt>`.
 """
 
@@ -44,11 +44,11 @@ def ensure_features(data: str, limit: int, out: Path) -> None:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--limit", type=int, default=400)
-    ap.add_argument("--self-limit", type=int, default=None,
+    ap.add_argument("--self_limit", type=int, default=None,
                     help="chats regenerated for the self arm (default: --limit)")
     ap.add_argument("--steps", type=int, default=240)
-    ap.add_argument("--decode-prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--decode_prompts", type=int, default=20)
+    ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--tree", default="6,10,60")
     ap.add_argument("--recipe", default="recipes/smollm2-135m/eagle-cpu.yaml")
     ap.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",

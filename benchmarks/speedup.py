@@ -1,6 +1,6 @@
 """τ and wall-clock speedup of a drafter on MT-bench, greedy and temperature 1, one run.
 
-    python benchmarks/speedup.py [--drafter DIR] [--limit 80] [--max-new-tokens 256]
+    python benchmarks/speedup.py [--drafter DIR] [--limit 80] [--max_new_tokens 256]
                                  [--tree 6,8,32 | --tree chain --k 4] [--policy cost|static] [--lookup 6]
                                  [--temperatures 0,1] [--repeats 1]
 
@@ -28,7 +28,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/hass-cpu-full/export-native"))
     ap.add_argument("--limit", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tree", default="6,8,32", help="DEPTH,TOPK,TOKENS, or 'chain'")
     ap.add_argument("--lookup", type=int, default=6,

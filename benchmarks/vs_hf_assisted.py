@@ -9,7 +9,7 @@ confidence stop), then both with the same static K, ours with transformers' defa
 speed any drafting has to beat; its output must match too). A short warm-up per arm, then the
 arms alternate; medians of the repeats (one by default).
 
-    python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max-new-tokens 64] [--k 4] [--repeats 1]
+    python benchmarks/vs_hf_assisted.py [--drafter DIR] [--limit 8] [--max_new_tokens 64] [--k 4] [--repeats 1]
 
 DIR is a native export of the standalone drafter; by default the one `draftsmith run
 recipes/smollm2-135m/standalone-cpu.yaml` writes. Ends with `RESULT identical=... ratio=...`.
@@ -32,7 +32,7 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--drafter", default=str(ROOT / "runs/smollm2-135m/standalone-cpu/export-native"))
     ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max_new_tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()

@@ -121,3 +121,12 @@ def test_an_arm_trained_again_drops_the_old_weights_and_log_before_it_trains(tmp
     with pytest.raises(KeyboardInterrupt):
         drafter_kinds.train_arm("eagle3", 2.0, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_benchmark_takes_its_options_as_the_commands_spell_them_and_with_hyphens():
+    from harness import parser
+
+    ap = parser(None)
+    ap.add_argument("--max_new_tokens", type=int, default=1)
+    assert ap.parse_args(["--max-new-tokens", "7"]).max_new_tokens == 7
+    assert ap.parse_args(["--max_new_tokens=9"]).max_new_tokens == 9

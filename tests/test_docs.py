@@ -83,3 +83,19 @@ def test_the_figures_file_is_one_short_row_per_benchmark_and_machine_kind():
 def test_the_usage_guide_stays_a_guide():
     lines = len((DOCS / "usage.md").read_text().splitlines())
     assert lines <= 300, f"docs/usage.md is {lines} lines: move the details to a reference page"
+
+
+OTHER_PROGRAMS_OPTIONS = {  # vLLM's, SGLang's, torchrun's and nvidia-smi's own spellings, which are theirs to choose
+    "--served-model-name", "--max-model-len", "--speculative-config", "--speculative-algorithm", "--speculative-num-steps",
+    "--speculative-num-draft-tokens", "--speculative-eagle-topk", "--speculative-draft-model-path", "--model-path",
+    "--nproc-per-node", "--query-gpu"}
+
+
+def test_every_option_is_spelled_one_way_in_the_docs_and_the_benchmarks():
+    """draftsmith's commands and its benchmarks spell options with underscores (`--max_new_tokens`); both also
+    take the hyphens, so a page never needs them."""
+    option = re.compile(r"(?<![\w`#(-])--[a-z0-9]+(?:-[a-z0-9]+)+(?![\w-])")
+    files = [*PAGES, *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = sorted({(f.name, m) for f in files for m in option.findall(f.read_text())} - {
+        (f.name, m) for f in files for m in OTHER_PROGRAMS_OPTIONS})
+    assert not found, f"options spelled with hyphens: {found}"
