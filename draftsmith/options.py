@@ -10,14 +10,26 @@ from dataclasses import dataclass
 
 
 @dataclass(kw_only=True)
-class TargetOptions:
-    """The target model and where it runs.
+class DeviceOptions:
+    """Where the models run, and in which type.
+
+    Args:
+        dtype: compute dtype: bfloat16, float32, or auto (the faster of the two on this device for this
+            command's kind of work, measured and printed; a resumed run keeps the type it started with; eval
+            runs both arms in it and records which ran).
+        device: cpu, cuda, cuda:1, ...
+    """
+
+    dtype: str = "auto"
+    device: str = "cpu"
+
+
+@dataclass(kw_only=True)
+class TargetOptions(DeviceOptions):
+    """The target model (and, the device options, where it runs).
 
     Args:
         target: embedded:smollm2-135m-instruct, a .gguf file, a model directory, or a hub id.
-        dtype: compute dtype: bfloat16, float32, or auto (the faster of the two on this device for this
-            command's kind of work, measured and printed; a resumed run keeps the type it started with).
-        device: cpu, cuda, cuda:1, ...
         trust_remote_code: allow a hub model's own code to run.
         chat_template: the chat template to render chats with, in place of the tokenizer's own (a base
             model has none): a .jinja file, or a template draftsmith ships: chatml, gemma, llama3. Every
@@ -25,10 +37,20 @@ class TargetOptions:
     """
 
     target: str
-    dtype: str = "auto"
-    device: str = "cpu"
     trust_remote_code: bool = False
     chat_template: str | None = None
+
+
+@dataclass(kw_only=True)
+class DraftOptions:
+    """How a drafter drafts, wherever it decodes (eval, tune, labels: they must agree).
+
+    Args:
+        head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its head
+            computed over those rows only (exports carry the counts); 0 = the full head.
+    """
+
+    head_vocab: int = 8192
 
 
 @dataclass(kw_only=True)

@@ -8,13 +8,13 @@ from typing import Any, Callable, Literal
 
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION
-from draftsmith.options import SamplingOptions
+from draftsmith.options import DeviceOptions, DraftOptions, SamplingOptions, TargetOptions
 
 
 @dataclass(kw_only=True)
-class DecodeOptions(SamplingOptions):
-    """How a drafter is evaluated (the sampling options' and these): shared by `draftsmith eval` and
-    `draftsmith run`.
+class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
+    """How a drafter is evaluated (the sampling, draft and device options' and these): shared by
+    `draftsmith eval` and `draftsmith run`.
 
     Args:
         prompts: mtbench, humaneval, or heldout (the validation split of the training chats).
@@ -38,8 +38,6 @@ class DecodeOptions(SamplingOptions):
             tree of that shape.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
-        head_vocab: a standalone drafter drafts among its training data's most frequent tokens, its
-            head computed over those rows only (exports carry the counts); 0 = the full head.
         compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
             included, compiles at its first call: minutes on a small CPU); the warm-up absorbs the compile,
             and the report gives its time. true (or cached): the packed weights stay inputs of the graph, so
@@ -50,9 +48,6 @@ class DecodeOptions(SamplingOptions):
             runtime/graphs.py); a static chain (greedy or sampled) or a tree without a stop policy is drafted
             whole by one graph. Both arms use it. With --compile, the target's norms and MLPs are
             compiled (inductor) and their fused kernels recorded into the graphs.
-        dtype: target and drafter dtype (the same for both arms): bfloat16, float32, or auto (the faster
-            of the two for decoding on this device, measured; results.json records which ran).
-        device: cpu or cuda.
         repeats: timed repeats after a warm-up (median reported).
         mode: exact (lossless), lossy (lossy speculative decoding), cascade (speculative cascades: the
             draft's law mixed with the target's where a rule defers), token (token-specific cascades) or
@@ -76,11 +71,8 @@ class DecodeOptions(SamplingOptions):
     stop_threshold: float | None = None
     tree: str | None = None
     lookup: int = 0
-    head_vocab: int = 8192
     compile: bool | Literal["frozen", "cached"] = False
     graphs: bool = False
-    dtype: str = "auto"
-    device: str = "cpu"
     repeats: int = 3
     mode: str = "exact"
     rule: str | None = None
@@ -160,12 +152,10 @@ class DecodeOptions(SamplingOptions):
 
 
 @dataclass(kw_only=True)
-class EvalConfig(DecodeOptions):
-    """Options of `draftsmith eval` (DecodeOptions' and these).
+class EvalConfig(TargetOptions, DecodeOptions):
+    """Options of `draftsmith eval` (the target's, DecodeOptions' and these).
 
     Args:
-        target: the target model.
-        chat_template: a chat template in place of the target tokenizer's own (as the drafter's training had).
         drafter: a native export directory (`draftsmith export --format native`); omit for autoregressive only.
         data: the chats whose validation split `--prompts heldout` evaluates on.
         val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
@@ -173,8 +163,6 @@ class EvalConfig(DecodeOptions):
         out: the results directory.
     """
 
-    target: str
-    chat_template: str | None = None
     drafter: str | None = None
     data: str = "sharegpt"
     val_fraction: float = VAL_FRACTION
@@ -242,7 +230,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     if cfg.mode != "exact" and cfg.drafter is None:
         raise DraftsmithError(f"--mode {cfg.mode} verifies a drafter's tokens: give --drafter")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
-    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, chat_template=cfg.chat_template)
+    target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                         chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs (checked in DecodeOptions)
         runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=bool(cfg.compile))

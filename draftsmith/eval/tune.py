@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.options import SamplingOptions, TargetOptions
+from draftsmith.options import DraftOptions, SamplingOptions, TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
 
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 
 
 @dataclass(kw_only=True)
-class TuneConfig(TargetOptions, SamplingOptions):
+class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
     """Options of `draftsmith tune` (the target's, the sampling options' and these).
 
     Args:
@@ -52,7 +52,6 @@ class TuneConfig(TargetOptions, SamplingOptions):
         limit: held-out prompts decoded per setting.
         temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`),
             with top_k / top_p.
-        head_vocab: a standalone drafter's ranked head, as for eval.
         repeats: timed passes per setting (median); the settings alternate within a pass.
     """
 
@@ -67,7 +66,6 @@ class TuneConfig(TargetOptions, SamplingOptions):
     val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
     limit: int = 8
-    head_vocab: int = 8192
     repeats: int = 2
 
     def __post_init__(self) -> None:

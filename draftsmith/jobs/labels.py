@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftsmith import DraftsmithError
-from draftsmith.options import ChatOptions, TargetOptions
+from draftsmith.options import ChatOptions, DraftOptions, TargetOptions
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ CHAINS = ("greedy", "sample")
 
 
 @dataclass(kw_only=True)
-class LabelsConfig(TargetOptions, ChatOptions):
+class LabelsConfig(TargetOptions, ChatOptions, DraftOptions):
     """Options of `draftsmith labels` (the target's, the chats', and these).
 
     Args:
@@ -53,7 +53,6 @@ class LabelsConfig(TargetOptions, ChatOptions):
         top_k: drafter probabilities kept per drafted token (a DISCO classifier reads up to this many).
         chain: greedy (each chain continues with the drafter's argmax, as greedy decoding drafts) or sample
             (with the token sampled at T = 1).
-        head_vocab: a standalone drafter's ranked head, as for eval: labels and decoding must use the same.
         max_positions: label at most this many positions per chat (spread evenly); all when omitted.
         max_length: tokens per chat; longer chats are truncated (every position drafts a chain: shorter
             than extraction's default).
@@ -67,7 +66,6 @@ class LabelsConfig(TargetOptions, ChatOptions):
     k: int = 8
     top_k: int = 16
     chain: str = "greedy"
-    head_vocab: int = 8192
     max_positions: int | None = None
     max_length: int = 1024
     shard_size: int = 16
