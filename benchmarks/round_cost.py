@@ -39,7 +39,7 @@ replayed from CUDA graphs included) and the GPU's busy time per round, against t
 
 `--compile` times the runtime with its target decoder compiled (`TargetRunner(compile=True)`, which is
 `compile="cached"`: torch.compile, inductor, the packed weights inputs of the graph, which inductor's cache
-keeps for later processes); `--compile frozen` with the weights frozen into the graph, compiled anew in
+keeps for later processes); `--compile --compile_mode frozen` with the weights frozen into the graph, compiled anew in
 every process (`TargetRunner(compile="frozen")`). The reference path stays eager.
 
 `--graphs` adds a third arm: `TargetRunner(graphs=True)` and `FeatureProposer.enable_graphs` (runtime/graphs.py),
@@ -90,13 +90,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="draft chains by sampling at this temperature (0: greedy); trees draft their top-k either way")
     ap.add_argument("--profile", action="store_true", help="also print where a round's time goes (torch.profiler)")
-    ap.add_argument("--compile", nargs="?", const="cached", default=None, choices=["cached", "frozen"],
-                    help="time the runtime with its decoder compiled (torch.compile, inductor; cached: graphs inductor's "
-                         "cache keeps, or frozen weights); the reference stays eager")
-    ap.add_argument("--graphs", action="store_true",
-                    help="add the fixed-shape runner (runtime/graphs.py): CUDA graphs on a GPU")
-    ap.add_argument("--unfolded", action="store_true",
-                    help="add the fixed-shape runner without its grouped query heads folded (graphs=True, gqa=False)")
+    ap.add_argument("--compile", action="store_true",
+                    help="time the runtime with its decoder compiled (torch.compile, inductor), as eval --compile does")
+    ap.add_argument("--compile_mode", default="cached", choices=["cached", "frozen"],
+                    help="with --compile: cached (the graphs inductor's cache keeps) or frozen (weights folded in), as eval's")
     ap.add_argument("--compile_blocks", action="store_true",
                     help="add the fixed-shape runner with the target's norms and MLPs compiled (graphs=True, compile_blocks=True)")
     ap.add_argument("--arms", default=None, help="keep only these arms (comma-separated: runtime,reference,graphs,...)")
@@ -162,7 +159,8 @@ def main() -> None:
                                   capacity=args.context + 256 + args.generate, gqa=arm != "unfolded",
                                   compile_blocks=arm == "blocks")
         else:
-            runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast, compile=args.compile if fast else False)
+            runner = TargetRunner(target.model, proposer.aux_layer_ids, fast=fast,
+                                  compile=args.compile and fast and args.compile_mode)
         with torch.no_grad():
             runner.reset()
             _, final, aux = runner.forward(prompt, last_logits=True)
@@ -256,7 +254,7 @@ def main() -> None:
         print("FAILED " + failure)
     compiled = ""
     if args.compile and "runtime" in seconds:
-        compiled = f"; decoder compiled ({args.compile}): the runtime's arm took {seconds['runtime']:.0f} s in all"
+        compiled = f"; decoder compiled ({args.compile_mode}): the runtime's arm took {seconds['runtime']:.0f} s in all"
         if "reference" in seconds:
             compiled += f" against the reference's {seconds['reference']:.0f} s, the difference being mostly compilation"
     print(f"target: {args.target}; drafter: {what}; {args.context} cached tokens; {args.dtype}; {args.device}; "

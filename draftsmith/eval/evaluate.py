@@ -38,16 +38,16 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
             tree of that shape.
         lookup: with --tree, graft a prompt-lookup branch of up to this many tokens on every tree (the
             tokens that followed the latest earlier occurrence of the text's ending); 0 = off.
-        compile: run the target's decoder through torch.compile (inductor; each kind of forward, trees
-            included, compiles at its first call: minutes on a small CPU); the warm-up absorbs the compile,
-            and the report gives its time. true (or cached): the packed weights stay inputs of the graph, so
-            inductor's cache keeps it and a later process loads it (a shorter warm-up); frozen: the weights
-            frozen into the graph, compiled anew in every process (both modes measured in docs/runtime.md).
+        compile: compile the target's decoder with inductor (torch.compile): the whole decoder, or with
+            --graphs its norms and MLPs, whose fused kernels the graphs record. Each kind of forward compiles
+            at its first call (minutes on a small CPU); the warm-up absorbs it and the report gives its time.
+        compile_mode: how the weights enter the compiled decoder (without --graphs): cached (inputs of the
+            graph, so inductor's cache keeps it for a later process: a shorter warm-up) or frozen (folded into
+            the graph, compiled anew in every process); both measured in docs/runtime.md.
         graphs: on a GPU, replay each target forward and each feature drafter's forward from a CUDA graph
             (KV caches of fixed capacity, one graph per row count, recorded at its first use;
             runtime/graphs.py); a static chain (greedy or sampled) or a tree without a stop policy is drafted
-            whole by one graph. Both arms use it. With --compile, the target's norms and MLPs are
-            compiled (inductor) and their fused kernels recorded into the graphs.
+            whole by one graph. Both arms use it.
         repeats: timed repeats after a warm-up (median reported).
         mode: exact (lossless), lossy (lossy speculative decoding), cascade (speculative cascades: the
             draft's law mixed with the target's where a rule defers), token (token-specific cascades) or
@@ -71,7 +71,8 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
     stop_threshold: float | None = None
     tree: str | None = None
     lookup: int = 0
-    compile: bool | Literal["frozen", "cached"] = False
+    compile: bool = False
+    compile_mode: Literal["cached", "frozen"] = "cached"
     graphs: bool = False
     repeats: int = 3
     mode: str = "exact"
@@ -100,9 +101,9 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
             raise DraftsmithError(f"--mode {self.mode} verifies chain drafts; drop --tree (trees verify exactly)")
         if self.graphs and not str(self.device).startswith("cuda"):
             raise DraftsmithError(f"--graphs records CUDA graphs: it needs --device cuda, not {self.device!r}")
-        if self.graphs and self.compile not in (False, True):
-            raise DraftsmithError(f"--graphs --compile compiles the norms and MLPs recorded into the graphs: give "
-                                  f"--compile true (the {self.compile!r} mode compiles the whole decoder, without graphs)")
+        if self.graphs and self.compile and self.compile_mode != "cached":
+            raise DraftsmithError(f"--compile_mode {self.compile_mode} compiles the whole decoder, without graphs: "
+                                  "with --graphs the norms and MLPs recorded into them are compiled; drop --compile_mode")
         if self.stop_threshold is not None and not 0 <= self.stop_threshold <= 1:
             raise DraftsmithError(f"--stop_threshold must be in [0, 1], got {self.stop_threshold}")
         if not 0 <= self.alpha < 1:
@@ -222,7 +223,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import Static, policy_kind
-    from draftsmith.runtime.proposers import FeatureProposer, NoProposer
+    from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.progress import Bars
 
@@ -233,12 +234,11 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
                          chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
-    if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs (checked in DecodeOptions)
-        runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=bool(cfg.compile))
-        if isinstance(proposer, FeatureProposer) and not proposer.parallel:  # P-EAGLE drafts eagerly
-            proposer.enable_graphs()
+    if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=cfg.compile)
+        proposer.enable_graphs()  # where the proposer has graphs to replay
     else:
-        runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile)
+        runner = TargetRunner(target.model, proposer.aux_layer_ids, compile=cfg.compile and cfg.compile_mode)
     tok = target.tokenizer
     eos = target.eos_token_ids
     encode = target.encode_chat

@@ -64,6 +64,9 @@ class BlockProposer:
     def reset(self) -> None:
         self.cache, self.pending, self.forwards = ContextCache(), None, 0
 
+    def enable_graphs(self, capture: bool | None = None) -> bool:
+        return False  # one forward a block: drafted eagerly
+
     @torch.no_grad()
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         """The n committed tokens' features (n, k·Ht) join the context; the last token is the next anchor."""

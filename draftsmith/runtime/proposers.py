@@ -50,6 +50,11 @@ class Proposer(Protocol):
         """Draft up to k tokens after `sequence`, asking `policy` before each."""
         ...
 
+    def enable_graphs(self, capture: bool | None = None) -> bool:
+        """Replay the drafter's forwards from CUDA graphs (runtime/graphs.py) where this proposer can; whether
+        it does (plain decoding, standalone, block and parallel drafters draft eagerly)."""
+        ...
+
 
 # expand(the tree so far) → whether to draft its next level (a tree plan's expand)
 Expand = Callable[[TreeLevel], bool]
@@ -93,6 +98,9 @@ class NoProposer:
                 generator: torch.Generator | None) -> Draft:
         return _empty(self.vocab_size)
 
+    def enable_graphs(self, capture: bool | None = None) -> bool:
+        return False
+
 
 class FeatureProposer:
     """EAGLE / HASS / EAGLE-3 drafters, fed the target hidden states verification produced.
@@ -121,13 +129,17 @@ class FeatureProposer:
         """What each drafter forward calls: the drafter, or its graphs once enabled."""
         return self.drafter if self.graphs is None else self.graphs
 
-    def enable_graphs(self, capture: bool | None = None) -> None:
+    def enable_graphs(self, capture: bool | None = None) -> bool:
         """Run the drafter's forwards on a fixed-capacity KV slab, replayed from CUDA graphs on a GPU
-        (runtime/graphs.py); on a CPU the same fixed-shape forwards run eagerly."""
+        (runtime/graphs.py); on a CPU the same fixed-shape forwards run eagerly. P-EAGLE's parallel steps
+        draft eagerly: nothing to switch (False)."""
         from draftsmith.runtime.graphs import DrafterGraphs
 
+        if self.parallel:
+            return False
         self.graphs = DrafterGraphs(self.drafter, capture=capture)
         self.reset()
+        return True
 
     def reset(self) -> None:
         if self.graphs is not None:

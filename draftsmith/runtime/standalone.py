@@ -57,6 +57,9 @@ class ModelProposer:
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         pass
 
+    def enable_graphs(self, capture: bool | None = None) -> bool:
+        return False  # a transformers model with its own cache: drafted eagerly
+
     @under_packed_linears
     def _next_logits(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens after the cache; the logits (V, or len(head_ids)) at the last of them and the

@@ -211,9 +211,9 @@ def test_graph_runner_refuses_what_it_cannot_run(target):
         TargetRunner(target, capture=True, graphs=True)
     with pytest.raises(DraftsmithError, match="set graphs=True too"):
         TargetRunner(target, compile_blocks=True)
-    # eval's --compile means the compiled blocks with --graphs: a whole-decoder mode is refused, not reinterpreted
-    with pytest.raises(DraftsmithError, match="give --compile true"):
-        EvalConfig(target="", device="cuda", graphs=True, compile="frozen")
+    # eval's --compile compiles the decoder; with --graphs its blocks: a whole-decoder mode is refused, not ignored
+    with pytest.raises(DraftsmithError, match="drop --compile_mode"):
+        EvalConfig(target="", device="cuda", graphs=True, compile=True, compile_mode="frozen")
     assert EvalConfig(target="", device="cuda", graphs=True, compile=True).compile is True
 
 
