@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan, TreePolicy
+from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePlan
 
 
 class CostMeter:
@@ -200,7 +200,7 @@ class TreeCostMeter:
 
 
 @dataclass
-class TreeCost(TreePolicy):
+class TreeCost(Policy):
     """`--policy cost` with `--tree`: every round's tree is sized by what its nodes are expected to
     buy. The tree shape gives the most it may draft (depth, top-k, nodes); within it a round
 
@@ -217,6 +217,7 @@ class TreeCost(TreePolicy):
     meter: TreeCostMeter = field(default_factory=TreeCostMeter, repr=False)
     name: str = "cost"
     predicted: float = field(default=0.0, repr=False)  # Σ e^score of this round's kept drafter nodes
+    decides_depth = True  # it is its own tree plan (`TreePlan`): depth, nodes and lookup tokens by cost
 
     def max_tokens(self) -> int:  # a round with no room for a tree is a plain step
         return 0
@@ -228,7 +229,7 @@ class TreeCost(TreePolicy):
         """This policy, its verification forwards timed at the first round (rows 0 to `most`)."""
         if not self.meter.verify:
             self.meter.calibrate(verify_seconds, [n for n in (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if n < most] + [most])
-        return super().plan_tree(most, verify_seconds)
+        return self
 
     def _best(self, values: list[float], draft_seconds: float) -> tuple[int, float]:
         """(n, rate) for the n ≥ 1 best of `values` (sorted, largest first) with the highest expected

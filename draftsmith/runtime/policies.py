@@ -21,7 +21,7 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.models.registry import DISCO, DSPARK, HEAD_KINDS, SPECDEC
 from draftsmith.runtime.cost import CostAware, CostMeter, TreeCost, TreeCostMeter
-from draftsmith.runtime.steps import DraftStep, Policy, TreeLevel, TreePolicy
+from draftsmith.runtime.steps import DraftStep, FixedTree, Policy, TreeLevel, TreePlan
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Oracle(Policy):
 
 
 @dataclass
-class AcceptanceStop(TreePolicy):
+class AcceptanceStop(Policy):
     """SpecDec++: stop once the predicted chance that some drafted token is rejected exceeds `threshold`.
 
     The acceptance head reads the drafter's hidden state that drafted token i and predicts a_i, its
@@ -140,6 +140,10 @@ class AcceptanceStop(TreePolicy):
 
     def max_tokens(self) -> int:
         return self.k
+
+    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
+        """Trees: the head decides each round's depth (`expand`); every node drafted is verified."""
+        return FixedTree(self.expand)
 
     @torch.no_grad()
     def keep_going(self, step: DraftStep) -> bool:
@@ -170,7 +174,7 @@ class AcceptanceStop(TreePolicy):
 
 
 @dataclass
-class ClassifierStop(TreePolicy):
+class ClassifierStop(Policy):
     """DISCO: keep drafting while the stop classifier's confidence in the last drafted token stays at or
     above `threshold`, at most k (SL_max) tokens. The classifier reads the distribution the token was
     drawn from (its top-k probabilities and entropy) and the token's position in the round."""
@@ -182,6 +186,10 @@ class ClassifierStop(TreePolicy):
 
     def max_tokens(self) -> int:
         return self.k
+
+    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
+        """Trees: the classifier decides each round's depth (`expand`); every node drafted is verified."""
+        return FixedTree(self.expand)
 
     @torch.no_grad()
     def keep_going(self, step: DraftStep) -> bool:

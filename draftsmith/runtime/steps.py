@@ -1,11 +1,11 @@
 """What a draft-length policy sees and answers (`runtime/policies.py` holds the policies): the draft so far
-(`DraftStep`), a tree round before its next level (`TreeLevel`), the `Policy` base class, the plan of a
-tree round (`TreePlan`) and the policies that plan their own (`TreePolicy`)."""
+(`DraftStep`), a tree round before its next level (`TreeLevel`), the `Policy` base class, and the plan of a
+tree round (`TreePlan`, a Protocol: `FixedTree` is EAGLE-2's, or a stop rule's; the cost policy is its own)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -43,33 +43,57 @@ class TreeLevel:
     path: Sequence[DraftStep] = ()
 
 
-class TreePlan:
-    """One EAGLE-2 tree round as a policy decides it; what `Policy.plan_tree` returns, and what the
-    decoding loop asks in the round: whether to draft each level after the first (`expand`), how many
-    of the drafted nodes to verify (`keep`: the best by path score), how many grafted prompt-lookup
-    tokens (`lookup_length`), and what verification kept (`verified`). This plan is EAGLE-2's fixed
-    tree: every level of the shape, every node and lookup token verified. `decides_depth`: `expand`
-    is asked (else the proposer drafts the shape's every level, at fixed shapes where it can)."""
+class TreePlan(Protocol):
+    """One EAGLE-2 tree round as a policy decides it; what `Policy.plan_tree` returns, and what the decoding
+    loop asks in the round: whether to draft each level after the first (`expand`, asked only where
+    `decides_depth`; else the proposer drafts the shape's every level, at fixed shapes where it can), how many
+    of the drafted nodes to verify (`keep`: the best by path score), how many grafted prompt-lookup tokens
+    (`lookup_length`), and what verification kept (`verified`)."""
 
-    decides_depth = False
+    decides_depth: bool
 
     def expand(self, level: TreeLevel) -> bool:
         """Draft level `level.levels` + 1?"""
-        return True
+        ...
 
     def keep(self, tree: Any, draft_seconds: float) -> int:
         """How many of a drafted tree's best nodes to verify (it took `draft_seconds` to draft)."""
-        return len(tree)
+        ...
 
     def lookup_length(self, nodes: int, offered: int, draft_seconds: float) -> int:
         """How many of `offered` lookup tokens to graft on the `nodes` kept."""
-        return offered
+        ...
 
     def verified(self, accepted: int, lookup_offered: int, lookup_reached: int) -> None:
         """`accepted` of the drafter's nodes were accepted, the lookup branch reached `lookup_reached` deep."""
+        ...
 
 
-WHOLE_TREE = TreePlan()
+@dataclass(frozen=True)
+class FixedTree:
+    """A tree plan that verifies every node and lookup token drafted: EAGLE-2's fixed tree (every level of the
+    shape), or, with `stop`, a tree whose depth a stop rule decides level by level (the stop heads')."""
+
+    stop: Callable[[TreeLevel], bool] | None = None
+
+    @property
+    def decides_depth(self) -> bool:
+        return self.stop is not None
+
+    def expand(self, level: TreeLevel) -> bool:
+        return True if self.stop is None else self.stop(level)
+
+    def keep(self, tree: Any, draft_seconds: float) -> int:
+        return len(tree)
+
+    def lookup_length(self, nodes: int, offered: int, draft_seconds: float) -> int:
+        return offered
+
+    def verified(self, accepted: int, lookup_offered: int, lookup_reached: int) -> None:
+        pass
+
+
+WHOLE_TREE = FixedTree()
 
 
 class Policy:
@@ -95,12 +119,3 @@ class Policy:
         """The plan of a tree round of at most `most` rows; `verify_seconds(n)` times a verification
         forward of n rows (for a policy that prices them)."""
         return WHOLE_TREE
-
-
-class TreePolicy(Policy, TreePlan):
-    """A policy that is its own tree plan and decides each round's depth (the stop heads, the cost policy)."""
-
-    decides_depth = True
-
-    def plan_tree(self, most: int, verify_seconds: Callable[[int], float]) -> TreePlan:
-        return self

@@ -23,10 +23,10 @@ from draftsmith.train.alignment import Rows, bucketed_rows, gather_rows
 from draftsmith.train.frozen import load_frozen_target
 from draftsmith.train.losses import forward_kl, head_forward_kl, loss_tokens
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import WarmupCosineAdamW
+from draftsmith.train.optim import clip_gradients, warmup_cosine_optimizers
 
 
-class DistillModule(WarmupCosineAdamW, pl.LightningModule):
+class DistillModule(pl.LightningModule):
     """Distil a small causal LM from `target`.
 
     Args:
@@ -156,8 +156,12 @@ class DistillModule(WarmupCosineAdamW, pl.LightningModule):
         self.log("val/tau", 1 + sum(acc**i for i in range(1, k + 1)), prog_bar=True)  # i.i.d. chain of K
         self.val_metric.reset()
 
-    def trained_parameters(self) -> Any:
-        return self.student.parameters()
+    def configure_optimizers(self) -> dict[str, Any]:
+        return warmup_cosine_optimizers(self, self.student.parameters())
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 LARGE_VOCABULARY_WEIGHTS = 50_000_000  # embedding + head weights from which a full standalone fit is slow

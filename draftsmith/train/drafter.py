@@ -30,7 +30,7 @@ from draftsmith.train.head_kernel import HEAD_CHUNK, blocks
 from draftsmith.train.losses import (ACCEPTANCE_LOSSES, acceptance_loss, feature_regression, head_distillation,
                                      loss_tokens, sharpen, step_weights, target_mix, uniform_noise)
 from draftsmith.train.metrics import DraftAcceptance
-from draftsmith.train.optim import NS_STEPS, OPTIMIZERS, WarmupCosineAdamW
+from draftsmith.train.optim import NS_STEPS, OPTIMIZERS, clip_gradients, warmup_cosine_optimizers
 
 FROZEN_PREFIXES = ("drafter.embed_tokens.", "target_head.")
 TRAIN_ON = ("assistant", "all")  # the tokens training puts loss on (`train_on`)
@@ -48,7 +48,7 @@ def full_head_summary(x: torch.Tensor, weight: torch.Tensor, cap: float | None,
     return top1, lse
 
 
-class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
+class DrafterModule(pl.LightningModule):
     """Train a feature drafter for `target` on offline feature shards or online target features.
 
     Args:
@@ -167,6 +167,13 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
         return drafter_kind(self.hparams.kind)
 
     # --- construction ----------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        return warmup_cosine_optimizers(self, self.parameters(), self.muon_parameters)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def muon_parameters(self) -> list[torch.nn.Parameter]:
         """The matrices Muon updates: the linear maps of fc and the draft layers (not the head, the norms,
         DSpark's vocabulary-sized Markov tables or its confidence head)."""
@@ -202,12 +209,9 @@ class DrafterModule(WarmupCosineAdamW, pl.LightningModule):
     def feature_layer_ids(self) -> list[int]:
         """The target layers the drafter fuses (the target's defaults where the recipe names none), for the
         `draftsmith extract` command a run without features is told to run. Loads the target if need be."""
-        if not self.kind.fused_layers:
-            return []
-        if self.drafter is not None or self.hparams.aux_layer_ids:
-            return list(self.aux_layer_ids if self.drafter is not None else self.hparams.aux_layer_ids)
-        target, _ = load_frozen_target(self.hparams)
-        return list(target.default_aux_layer_ids())
+        if self.drafter is not None or not self.kind.fused_layers:
+            return list(self.aux_layer_ids) if self.drafter is not None else []
+        return list(self.hparams.aux_layer_ids or load_frozen_target(self.hparams)[0].default_aux_layer_ids())
 
     def _start_from_target_layer(self, target: Any, kind: DrafterKind) -> None:
         start = getattr(self.drafter, "start_from_target_layer", None)

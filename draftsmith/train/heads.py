@@ -30,7 +30,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.conversations import split_of
 from draftsmith.models.heads import head_config
 from draftsmith.models.registry import HEAD_KINDS, SPECDEC, HeadKind, head_kind
-from draftsmith.train.optim import WarmupCosineAdamW
+from draftsmith.train.optim import clip_gradients, warmup_cosine_optimizers
 
 LABELS = ("soft", "hard")
 
@@ -101,7 +101,7 @@ def mixed_bce(logits: torch.Tensor, label: torch.Tensor, rejection_weight: float
     return num / (weight * (rejection_weight * (1 - a) + a)).sum().clamp_min(1e-12)
 
 
-class StopHeadModule(WarmupCosineAdamW, pl.LightningModule):
+class StopHeadModule(pl.LightningModule):
     """Fit a stop head on label rows; the drafter and the target stay out of training entirely.
 
     Args:
@@ -202,8 +202,12 @@ class StopHeadModule(WarmupCosineAdamW, pl.LightningModule):
             self.log(f"val/{name}", metric.compute(), prog_bar=name in ("auroc", "loss"))
             metric.reset()
 
-    def trained_parameters(self) -> Any:
-        return self.head.parameters()
+    def configure_optimizers(self) -> dict[str, Any]:
+        return warmup_cosine_optimizers(self, self.head.parameters())
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["draftsmith"] = {"kind": self.hparams.kind, "labels_run": self.labels_run,

@@ -1,6 +1,6 @@
 """The optimizers draftsmith trains with: AdamW, or Muon on the hidden layers' matrices with AdamW on the
 rest (`MuonAdamW`), on one schedule (linear warm-up, cosine decay to a floor); the gradient clipping every
-training module uses; and `WarmupCosineAdamW`, which gives a module both.
+training module uses; and `warmup_cosine_optimizers`, what each module's `configure_optimizers` returns.
 
 The learning rate rises linearly from 0 over `warmup_steps`, then follows half a cosine down to
 `min_lr_ratio · lr` at the end of training (transformers' `get_cosine_with_min_lr_schedule_with_warmup`
@@ -163,37 +163,26 @@ def clip_gradients(module: Any, optimizer: torch.optim.Optimizer, clip_val: floa
         module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
 
-class WarmupCosineAdamW:
-    """Mixed into a training module ahead of `pl.LightningModule`: its `configure_optimizers` (AdamW over
-    `trained_parameters()` on `adamw_warmup_cosine`'s schedule, from the hyper-parameters lr, warmup_steps,
-    min_lr_ratio, weight_decay and, where the module has them, betas and optimizer; over steps or, where
-    only max_time bounds training, over time) and its `configure_gradient_clipping` (`clip_gradients`).
-    With the hyper-parameter `optimizer: muon`, `muon_parameters()` (a module that offers Muon defines
-    it) go to Muon, orthogonalized by `muon_ns_steps` Newton–Schulz steps, and the rest to AdamW
-    (`MuonAdamW`)."""
+def warmup_cosine_optimizers(module: Any, trained: Iterable[torch.nn.Parameter],
+                             muon: Callable[[], list[torch.nn.Parameter]] | None = None) -> dict[str, Any]:
+    """A training module's `configure_optimizers`: AdamW over `trained` on `adamw_warmup_cosine`'s schedule, from
+    the module's hyper-parameters lr, warmup_steps, min_lr_ratio, weight_decay and, where it has them, betas and
+    optimizer; over steps or, where only max_time bounds training, over time. With the hyper-parameter
+    `optimizer: muon`, the parameters `muon()` names (a module that offers Muon gives it) go to Muon,
+    orthogonalized by `muon_ns_steps` Newton–Schulz steps, and the rest to AdamW (`MuonAdamW`)."""
+    h, total = module.hparams, module.trainer.estimated_stepping_batches
+    spent = time_spent(module.trainer) if math.isinf(total) else None
+    chosen = None
+    if h.get("optimizer", "adamw") == "muon":
+        from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
 
-    def trained_parameters(self) -> Iterable[torch.nn.Parameter]:
-        return self.parameters()
-
-    def muon_parameters(self) -> list[torch.nn.Parameter]:
-        raise DraftsmithError(f"{type(self).__name__} trains with AdamW only")
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        h, total = self.hparams, self.trainer.estimated_stepping_batches
-        spent = time_spent(self.trainer) if math.isinf(total) else None
-        muon = None
-        if h.get("optimizer", "adamw") == "muon":
-            from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
-
-            if isinstance(self.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
-                raise DraftsmithError("optimizer muon orthogonalizes whole matrices, which FSDP and DeepSpeed shard "
-                                      "across devices: train with DDP (`trainer.strategy: ddp`) or optimizer adamw")
-            muon = self.muon_parameters()
-        ns_dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else torch.float32
-        return adamw_warmup_cosine(self.trained_parameters(), h.lr, total, h.warmup_steps,
-                                   h.min_lr_ratio, h.weight_decay, betas=h.get("betas", (0.9, 0.999)), spent=spent,
-                                   muon=muon, ns_dtype=ns_dtype, ns_steps=h.get("muon_ns_steps", NS_STEPS))
+        if muon is None:
+            raise DraftsmithError(f"{type(module).__name__} trains with AdamW only")
+        if isinstance(module.trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)):
+            raise DraftsmithError("optimizer muon orthogonalizes whole matrices, which FSDP and DeepSpeed shard "
+                                  "across devices: train with DDP (`trainer.strategy: ddp`) or optimizer adamw")
+        chosen = muon()
+    ns_dtype = torch.bfloat16 if "bf16" in str(module.trainer.precision) else torch.float32
+    return adamw_warmup_cosine(trained, h.lr, total, h.warmup_steps, h.min_lr_ratio, h.weight_decay,
+                               betas=h.get("betas", (0.9, 0.999)), spent=spent, muon=chosen, ns_dtype=ns_dtype,
+                               ns_steps=h.get("muon_ns_steps", NS_STEPS))

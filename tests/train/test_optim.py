@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.train.optim import MuonAdamW, WarmupCosineAdamW, adamw_warmup_cosine, newton_schulz
+from draftsmith.train.optim import MuonAdamW, adamw_warmup_cosine, newton_schulz, warmup_cosine_optimizers
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -51,7 +51,7 @@ def test_a_time_budget_runs_the_cosine_over_the_share_of_time_spent():
     assert seen[-1] == pytest.approx(lr * floor)  # the floor once the budget is spent, however many steps
 
 
-class _Budgeted(WarmupCosineAdamW, pl.LightningModule):
+class _Budgeted(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.save_hyperparameters(dict(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0))
@@ -65,6 +65,9 @@ class _Budgeted(WarmupCosineAdamW, pl.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=2)
+
+    def configure_optimizers(self):
+        return warmup_cosine_optimizers(self, self.parameters())
 
 
 def test_a_run_bounded_only_by_max_time_ends_its_schedule_at_the_floor(tmp_path):
