@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import DISCO, DSPARK, HEAD_KINDS, SPECDEC
+from draftsmith.models.registry import DISCO, DSPARK, HEAD_KINDS, SPECDEC, HeadKind
 from draftsmith.runtime.cost import CostAware, CostMeter, TreeCost, TreeCostMeter
 from draftsmith.runtime.steps import DraftStep, FixedTree, Policy, TreeLevel, TreePlan
 
@@ -276,7 +276,7 @@ class PolicyKind:
     sizes_trees: bool = False
 
     @property
-    def head_kind(self) -> Any:
+    def head_kind(self) -> HeadKind | None:
         """The stop-head kind it decodes with (head "stop"), else None."""
         return HEAD_KINDS[self.name] if self.head == "stop" else None
 
@@ -300,7 +300,7 @@ def _stop(policy: type) -> Callable[[PolicySettings], Callable[[list[int]], Poli
     return lambda s: (lambda prompt: policy(head=s.head, threshold=s.threshold, k=s.k))
 
 
-def _head_policy(head: Any, policy: type) -> PolicyKind:
+def _head_policy(head: HeadKind, policy: type) -> PolicyKind:
     return PolicyKind(head.name, head.title, _stop(policy), head="stop", tuned=True, tune="decode", grid=head.grid,
                       ks=head.ks)
 
