@@ -100,3 +100,4 @@ def test_every_policy_builds_from_its_settings_with_its_name():
         settings = PolicySettings(k=3, threshold=0.5, references={(): ([1, 2], {})})
         assert kind.build(settings)([]).name == name
         assert (kind.tune == "decode") == bool(kind.grid and kind.ks)
+        assert kind.head is None or kind.tuned  # eval reads a head's settings where it reads tuned ones

@@ -92,7 +92,7 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
             self.tree = None
         from draftsmith.runtime.policies import policy_kind
 
-        if policy_kind(self.policy).greedy_only and self.temperature > 0:
+        if policy_kind(self.policy).references and self.temperature > 0:
             raise DraftsmithError(f"--policy {self.policy} is a greedy bound (it drafts until the first token that "
                                   "differs from the target's greedy text): use --temperature 0")
         if self.lookup and self.tree is None:
@@ -265,13 +265,13 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
     policy = policy_kind(cfg.policy)
-    references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if policy.greedy_only else None
+    references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if policy.references else None
     stop_head = None
     if policy.head is not None and cfg.drafter is None:
         raise DraftsmithError(f"--policy {cfg.policy} reads the stop head of a drafter's export: give --drafter")
     if policy.tuned and cfg.drafter is not None:
         stop_head = load_stop_head(cfg.drafter, policy, target, proposer)
-    if policy.head is not None or policy.tuned:
+    if policy.tuned:  # every policy with a head is tuned too
         threshold, k = stop_settings(cfg, stop_head[1] if stop_head else {})
         description += f", {policy.name} {'stop head' if policy.head else 'policy'} (threshold {threshold:g}, at most {k})"
     new_policy = policy_factory(cfg, references, stop_head)

@@ -260,7 +260,8 @@ class PolicyKind:
         tune: how `draftsmith tune` chooses its settings: "decode" (decoding held-out prompts over `grid` ×
             `ks`, the fastest kept) or "labels" (transformers' ROC rule on labelled drafts); None: not tuned.
         grid, ks: the thresholds and most lengths `draftsmith tune` tries ("decode").
-        greedy_only: it decodes greedily only (the oracle knows the target's greedy text).
+        references: it reads each prompt's greedy continuation by the target, and the drafter's greedy chains,
+            computed before decoding (the oracle): so it decodes greedily only.
         sizes_trees: with --tree it sizes each tree round itself (depth, nodes, lookup tokens).
     """
 
@@ -272,7 +273,7 @@ class PolicyKind:
     tune: str | None = None
     grid: tuple[float, ...] = ()
     ks: tuple[int, ...] = ()
-    greedy_only: bool = False
+    references: bool = False
     sizes_trees: bool = False
 
     @property
@@ -313,7 +314,7 @@ POLICY_KINDS: dict[str, PolicyKind] = {k.name: k for k in (
     PolicyKind("heuristic", "transformers' heuristic schedule", lambda s: (lambda prompt: Heuristic(k=s.k))),
     PolicyKind("confidence", "the confidence rule", lambda s: (lambda prompt: Confidence(threshold=s.threshold, k=s.k)),
                tuned=True, tune="labels"),
-    PolicyKind("oracle", "the oracle draft length", _oracle, greedy_only=True),
+    PolicyKind("oracle", "the oracle draft length", _oracle, references=True),
     _head_policy(SPECDEC, AcceptanceStop),
     _head_policy(DISCO, ClassifierStop),
     PolicyKind(DSPARK.name, "DSpark's confidence head", _stop(BlockConfidence), head="drafter", tuned=True,
