@@ -18,6 +18,9 @@ import torch
 import yaml
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The commands tests start in fresh interpreters too: two threads each beside the other worker's would put
+# three or four busy threads on two cores, and an OpenMP thread that spins while it waits slows them all.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tiny models gain nothing from a second intra-op thread, and `make test` runs one pytest worker per core
 # (pytest-xdist): one thread each keeps the workers from contending for the cores.
 torch.set_num_threads(1)
@@ -185,6 +188,9 @@ def tiny_features(tmp_path_factory):
 
 
 def recipe(root, tmp_path, callbacks=None, module="draftsmith.train.drafter.DrafterModule", **model):
+    """A fit recipe on root's features: a HASS drafter (two alignment steps, the Top-K loss), or `model`'s settings
+    for `module`, a few steps at a high learning rate."""
+    eagle = {"kind": "eagle", "alignment_steps": 2, "topk_weight": 1.0} if module.endswith(".DrafterModule") else {}
     cfg = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 6, "val_check_interval": 3,
@@ -197,8 +203,7 @@ def recipe(root, tmp_path, callbacks=None, module="draftsmith.train.drafter.Draf
                                                               "save_last": True, "every_n_train_steps": 1,
                                                               "save_top_k": -1}}]},
         "model": {"class_path": module,
-                  "init_args": {"target": str(root / "target"), "kind": "eagle", "alignment_steps": 2,
-                                "topk_weight": 1.0, "lr": 0.003, "warmup_steps": 2, **model}},
+                  "init_args": {"target": str(root / "target"), **eagle, "lr": 0.003, "warmup_steps": 2, **model}},
         "data": {"class_path": "draftsmith.data.modules.FeatureDataModule",
                  "init_args": {"features_dir": str(root / "features"), "max_tokens": 300, "val_fraction": 0.2}},
     }
@@ -221,7 +226,7 @@ def eagle3_ckpt(tiny_features, tmp_path_factory):
 
 
 BLOCK = {"module": "draftsmith.train.block.BlockDrafterModule", "draft_vocab_size": 40, "aux_layer_ids": [0, 1, 2],
-         "alignment_steps": 1, "topk_weight": 0.0, "ce_weight": 1.0, "block_size": 4, "anchors": 16}
+         "ce_weight": 1.0, "block_size": 4, "anchors": 16}
 DSPARK = {**BLOCK, "kind": "dspark", "markov_rank": 8, "confidence_head": True}
 
 

@@ -69,8 +69,13 @@ def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt,
     assert no_head.returncode != 0 and "confidence head" in no_head.stderr
     with pytest.raises(DraftsmithError, match="trains block drafters"):
         BlockDrafterModule(target=str(tiny_features / "target"), kind="eagle3")
-    with pytest.raises(DraftsmithError, match="val_steps are EAGLE settings"):
+    with pytest.raises(TypeError, match="val_steps"):  # EAGLE's settings are not a block drafter's
         BlockDrafterModule(target=str(tiny_features / "target"), val_steps=3)
+    # a checkpoint from when BlockDrafterModule extended DrafterModule holds them at their defaults: it still exports
+    old = torch.load(dflash_ckpt, map_location="cpu", weights_only=False)
+    old["hyper_parameters"].update(alignment_steps=1, val_steps=None, topk_weight=0.0, feature_weight=1.0)
+    torch.save(old, tmp_path / "old.ckpt")
+    assert run_cli("export", str(tmp_path / "old.ckpt"), "--format", "native", "--out", str(tmp_path / "o")).returncode == 0
     config, w = tiny_drafter_inputs()
     with pytest.raises(DraftsmithError, match="train kind dspark"):
         BlockDrafter.from_target(config, w, w, None, None, 3, 32, markov_rank=4)

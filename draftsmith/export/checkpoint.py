@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import trained_kind
+from draftsmith.models.registry import DrafterKind, trained_kind
 from draftsmith.train.checkpoints import is_zero_dir, best_checkpoint, checkpoint_state
 
 
@@ -32,10 +32,15 @@ def module_from_checkpoint(ckpt: dict[str, Any]) -> Any:
     """Rebuild the trained LightningModule (target parts come back from the target itself)."""
     hp = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}  # LightningCLI adds _class_path
     kind = trained_kind(ckpt["draftsmith"]["kind"])
+    if isinstance(kind, DrafterKind) and kind.blocks:  # one written while BlockDrafterModule extended DrafterModule
+        # holds EAGLE's settings too, at their defaults
+        from draftsmith.train.drafter import EAGLE_SETTINGS
+
+        hp = {k: v for k, v in hp.items() if k not in EAGLE_SETTINGS}
     module = kind.trainer_class(**hp)
     if "drafter.d2t" in ckpt["state_dict"]:  # the draft vocabulary the checkpoint was trained with
         d2t = ckpt["state_dict"]["drafter.d2t"]
-        module.forced_draft_ids = torch.arange(len(d2t)) + d2t
+        module.drafting.forced_draft_ids = torch.arange(len(d2t)) + d2t
     module.on_load_checkpoint(ckpt)
     state = {k.removeprefix("_forward_module."): v for k, v in ckpt["state_dict"].items()}
     module.load_state_dict(state)

@@ -22,16 +22,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import BinaryAUROC, BinaryCalibrationError
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import DFLASH
+from draftsmith.data.modules import check_datamodule
+from draftsmith.models.registry import DFLASH, DrafterKind
 from draftsmith.train.alignment import bucketed_rows, gather_rows
-from draftsmith.train.drafter import DrafterModule
-from draftsmith.train.losses import acceptance_per_position, sharpen, soft_cross_entropy_per_position, weighted_mean
+from draftsmith.train.drafting import (FeatureDrafting, log_validation_metrics, logged_training_loss,
+                                       own_settings)
+from draftsmith.train.losses import (acceptance_per_position, loss_tokens, sharpen, soft_cross_entropy_per_position,
+                                     weighted_mean)
 from draftsmith.train.metrics import DraftAcceptance
+from draftsmith.train.optim import clip_gradients, warmup_cosine_optimizers
 
 
 def draw_anchors(eligible: torch.Tensor, count: int, generator: torch.Generator | None = None
@@ -57,10 +62,15 @@ def block_layout(anchors: torch.Tensor, block: int, length: int) -> tuple[torch.
     return positions, visible
 
 
-class BlockDrafterModule(DrafterModule):
+class BlockDrafterModule(pl.LightningModule):
     """Train a DFlash or DSpark block drafter (`kind: dflash | dspark`) on the same feature shards as EAGLE-3.
+    The settings every feature drafter takes (target, aux_layer_ids, draft_vocab_size, mask_token_id, ce_weight,
+    target_temperature, acceptance_weight, optimizer, lr, ...) are `train/drafting.FeatureDrafting`'s, passed
+    through `**settings`; these are the block drafters' own.
 
     Args:
+        target: the target model (as for `draftsmith extract --target`).
+        kind: dflash or dspark.
         block_size: B, the block's slots: the anchor and B − 1 mask tokens (DFlash drafts B − 1 tokens a
             round, DSpark B).
         draft_layers: the drafter's decoder layers.
@@ -69,36 +79,82 @@ class BlockDrafterModule(DrafterModule):
         markov_rank: r of DSpark's sequential bias W2·W1[prev] (0: none; DSpark only).
         confidence_head: DSpark's per-slot acceptance head (needs markov_rank > 0).
         confidence_weight: weight of the confidence head's cross-entropy.
-        **kwargs: DrafterModule's settings (target, kind, aux_layer_ids, draft_vocab_size, mask_token_id,
-            ce_weight, target_temperature, acceptance_weight, acceptance_loss, lr, ...); the EAGLE settings
-            (alignment_steps, val_steps, feature regression, Top-K) do not apply.
+        **settings: `FeatureDrafting`'s.
     """
 
-    def __init__(self, block_size: int = 8, draft_layers: int = 1, anchors: int = 64, decay_gamma: float = 4.0,
-                 markov_rank: int = 0, confidence_head: bool = False, confidence_weight: float = 1.0, **kwargs: Any):
-        kwargs.setdefault("kind", DFLASH.name)
-        super().__init__(**kwargs)
+    def __init__(self, target: str, kind: str = DFLASH.name, block_size: int = 8, draft_layers: int = 1,
+                 anchors: int = 64, decay_gamma: float = 4.0, markov_rank: int = 0, confidence_head: bool = False,
+                 confidence_weight: float = 1.0, **settings: Any):
+        own = own_settings(locals())
+        super().__init__()
+        self.drafting = FeatureDrafting(target, kind, **settings)
         if not self.kind.blocks:
             raise DraftsmithError(f"BlockDrafterModule trains block drafters (dflash, dspark), not {self.kind.title}")
         if anchors < 1 or decay_gamma <= 0:
             raise DraftsmithError(f"anchors must be >= 1 and decay_gamma > 0, got {anchors} and {decay_gamma}")
-        if self.hparams.topk_weight or self.hparams.alignment_steps != 1 or self.hparams.val_steps is not None:
-            raise DraftsmithError("topk_weight, alignment_steps and val_steps are EAGLE settings; a block drafter "
-                                  "trains with ce_weight and acceptance_weight")
+        self.save_hyperparameters({**self.drafting.settings, **own})
+        self.drafter: torch.nn.Module | None = None
         first = 0 if self.kind.model_class.sample_from_anchor else 1
         self.val_metric = DraftAcceptance(block_size - first, self.hparams.metric_top_k)
         self.val_auroc, self.val_ece = BinaryAUROC(), BinaryCalibrationError(n_bins=10)
 
+    @property
+    def kind(self) -> DrafterKind:
+        return self.drafting.kind
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self.drafting.identity
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.drafting.aux_layer_ids
+
+    # --- construction, checkpoints (FeatureDrafting's) and the optimizer, as DrafterModule's -------------
+    def configure_model(self) -> None:
+        if self.drafter is None:
+            self.drafter, self.target_head = self.drafting.build(self.hparams, self._trainer)
+            self.drafter.to(self.device)
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        check_datamodule(self.trainer, self.identity, self.aux_layer_ids)
+
+    def feature_layer_ids(self) -> list[int]:
+        return self.drafting.feature_layer_ids(self.hparams, self.drafter is not None)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.drafting.save(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()
+        self.drafting.restore(checkpoint, self.state_dict())
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return warmup_cosine_optimizers(self, self.parameters(), lambda: self.drafting.muon_parameters(self.drafter))
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return logged_training_loss(self, self.alignment_forward(batch, with_metrics=False), batch, batch_idx)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        out = self.alignment_forward(batch, with_metrics=True)
+        self.log("val/loss", out["loss"], batch_size=loss_tokens(batch), sync_dist=True)
+
     def alignment_forward(self, batch: dict[str, Any], with_metrics: bool) -> dict[str, torch.Tensor]:
         h, drafter = self.hparams, self.drafter
         ids, valid = batch["input_ids"], batch["attention_mask"].bool()
-        final, aux = self._features(batch)
+        final, aux = self.drafting.features(batch)
         dtype = drafter.fc.weight.dtype
         final, aux = final.to(dtype), aux.to(dtype)
         n, length = ids.shape
-        carries = self.carries(batch)  # (N, L): x_i is a real token that carries loss
+        carries = self.drafting.carries(batch, self.training and h.train_on == "all")  # (N, L): carries loss
         predicts = F.pad(carries[:, 1:], (0, 1))  # (N, L): the target's law at i, over x_{i+1}, carries loss
-        row, table, top1, mass_in = self._target_table(final, predicts, with_metrics)
+        row, table, top1, mass_in = self.drafting.target_table(drafter, self.target_head, final, predicts,
+                                                               with_metrics)
         eligible = valid & predicts  # the anchor's next token carries loss
         generator = None if self.training else torch.Generator().manual_seed(0)
         anchors, real = draw_anchors(eligible, h.anchors, generator)  # (N, A)
@@ -171,7 +227,7 @@ class BlockDrafterModule(DrafterModule):
                 self.val_metric.update(j, top[here], target_top1[here], alpha[here])
 
     def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
+        log_validation_metrics(self, self.val_metric)
         if self.drafter.confidence_head is not None and self.val_auroc.update_count:
             self.log("val/confidence_auroc", self.val_auroc.compute(), sync_dist=False)
             self.log("val/confidence_ece", self.val_ece.compute(), sync_dist=False)

@@ -320,16 +320,16 @@ def test_online_mode_runs_the_frozen_target_inside_the_step(tiny_features, tmp_p
                          "--data.init_args.max_length", "256", "--data.init_args.max_tokens", "300"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     model = cli.model
-    assert model._target is not None and cli.datamodule.online
-    assert not any(k.startswith("_target") for k in model.state_dict())
-    target_params = {id(p) for p in model._target.model.parameters()}
+    assert model.drafting.target is not None and cli.datamodule.online
+    target_params = {id(p) for p in model.drafting.target.model.parameters()}
+    assert not target_params & {id(p) for p in model.parameters()}  # outside the module tree: never saved
     optimized = {id(p) for g in cli.trainer.optimizers[0].param_groups for p in g["params"]}
     assert not target_params & optimized
     # the features it computes online are the ones extraction stored
     from draftsmith.data.features import FeatureReader
     item = FeatureReader(tiny_features / "features", layer_ids=[1, 2])[0]
     batch = {"input_ids": item["input_ids"][None], "attention_mask": torch.ones(1, len(item["input_ids"]), dtype=torch.bool)}
-    final, aux = model._features(batch)
+    final, aux = model.drafting.features(batch)
     torch.testing.assert_close(final[0], item["final"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux[0], item["aux"], atol=1e-5, rtol=1e-5)
 

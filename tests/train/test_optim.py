@@ -163,7 +163,7 @@ def test_muon_is_refused_where_fsdp_or_deepspeed_shard_the_matrices(tiny_target_
                            muon_ns_steps=3)
     module.configure_model()
     names = {id(p): n for n, p in module.named_parameters()}
-    muon = sorted(names[id(p)] for p in module.muon_parameters())
+    muon = sorted(names[id(p)] for p in module.drafting.muon_parameters(module.drafter))
     assert "drafter.fc.weight" in muon and "drafter.layer.mlp.down_proj.weight" in muon
     assert not [n for n in muon if "head" in n or "norm" in n or "embed" in n]  # heads, norms, tables: AdamW
     module._trainer = SimpleNamespace(strategy=FSDPStrategy(), estimated_stepping_batches=10, precision="bf16-mixed")

@@ -36,7 +36,7 @@ def overfit(module, batch, lr, step, steps: int = STEPS):
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
     if module.hparams.get("optimizer") == "muon":  # the drafter's matrices by Muon, the rest by AdamW
-        mats = {id(p) for p in module.muon_parameters()}
+        mats = {id(p) for p in module.drafting.muon_parameters(module.drafter)}
         opt = MuonAdamW([{"params": [p for p in params if id(p) in mats], "muon": True},
                          {"params": [p for p in params if id(p) not in mats], "muon": False}], lr=lr,
                         dtype=torch.float32)
