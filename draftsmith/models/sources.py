@@ -91,13 +91,53 @@ GGUF_SPECIAL_TOKENS = {  # tokenizer attribute → the GGUF metadata key naming 
 GGUF_CACHE_FORMAT = 3  # 2: special tokens as the file names them (set_special_tokens); 3: architectures named
 
 
-def gguf_special_token_ids(path: Path) -> dict[str, int]:
-    """The special tokens a GGUF file names, by tokenizer attribute (those it names)."""
-    from gguf import GGUFReader
+# GGUF metadata value types: scalar type → (struct format, size); 8 is a string, 9 an array
+_GGUF_SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4),
+                 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
 
-    fields = GGUFReader(str(path)).fields
-    return {attr: int(fields[key].parts[fields[key].data[0]][0]) for attr, key in GGUF_SPECIAL_TOKENS.items()
-            if key in fields}
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """The special tokens a GGUF file names, by tokenizer attribute (those it names).
+
+    Read from the metadata's key-value pairs alone (the header of a little-endian GGUF v2/v3 file): gguf's
+    GGUFReader builds an object per element of every array first, the vocabulary's too, seconds a file."""
+    import mmap
+    import struct
+
+    wanted = {key: attr for attr, key in GGUF_SPECIAL_TOKENS.items()}
+    found: dict[str, int] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, _, count = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise DraftsmithError(f"{path}: not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
+        at = 24
+
+        def string(at: int) -> tuple[bytes, int]:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return buf[at + 8:at + 8 + n], at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return at + _GGUF_SCALARS[kind][1]
+            if kind == 8:
+                return string(at)[1]
+            inner, n = struct.unpack_from("<IQ", buf, at)  # an array
+            at += 12
+            if inner in _GGUF_SCALARS:
+                return at + n * _GGUF_SCALARS[inner][1]
+            for _ in range(n):
+                at = skip(inner, at)
+            return at
+
+        for _ in range(count):
+            key, at = string(at)
+            (kind,) = struct.unpack_from("<I", buf, at)
+            at += 4
+            name = key.decode()
+            if name in wanted and kind in _GGUF_SCALARS:
+                found[wanted[name]] = int(struct.unpack_from("<" + _GGUF_SCALARS[kind][0], buf, at)[0])
+            at = skip(kind, at)
+    return {attr: found[attr] for attr in GGUF_SPECIAL_TOKENS if attr in found}
 
 
 def set_special_tokens(tokenizer: Any, ids: dict[str, int]) -> list[str]:

@@ -98,6 +98,12 @@ def test_gguf_special_tokens_come_from_the_file():
     assert tok.eos_token_id == 2 and tokenizer_hash(tok) == right == "75ff9918aba724a7"
 
 
+def test_a_file_that_is_not_gguf_is_refused_by_the_special_token_reader(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(DraftsmithError, match="not a little-endian GGUF v2/v3 file"):
+        gguf_special_token_ids(tmp_path / "x.gguf")
+
+
 @pytest.mark.slow
 def test_embedded_gguf_target_loads_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
