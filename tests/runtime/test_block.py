@@ -55,6 +55,7 @@ def test_greedy_output_is_the_targets_own(target, kind, policy):
     assert drafted > 0
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("kind, policy", [("dflash", lambda: Static(3)), ("dspark", lambda: Static(3)),
                                           ("dspark", lambda: BlockConfidence(threshold=0.5, k=3))])
 def test_sampling_is_lossless(kind, policy):
@@ -79,6 +80,7 @@ def test_sampling_is_lossless(kind, policy):
     assert_follows_law(Counter(tuple(o.tokens) for o in outs), law)
 
 
+@pytest.mark.proof
 def test_parallel_eagle_sampling_is_lossless():
     """P-EAGLE: tokens 2..K drawn from one forward over mask positions (laws fixed before any draw); four
     tokens, so that a round after the first drafts two of them."""
@@ -182,6 +184,7 @@ def test_a_trees_best_path_is_the_greedy_chain_with_its_law(target, kind):
         assert float(tree.scores[node]) == pytest.approx(score, abs=1e-4)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("kind", ["dspark", "peagle"])
 def test_block_and_parallel_tree_sampling_is_lossless(kind):
     """χ² of 2000 sampled 3-token continuations at T = 1 with trees of two levels (DSpark's second level

@@ -156,6 +156,7 @@ def assert_follows_law(counts: Counter, law: dict) -> None:
     assert chi2 < df + 4.5 * (2 * df) ** 0.5, (chi2, df)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("cfg, k, head_ids", [
                                     (SamplingConfig(temperature=0.7, top_k=3), 3, None),
                                     (SamplingConfig(temperature=1.3, top_p=0.8), 1, None),

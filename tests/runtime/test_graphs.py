@@ -111,6 +111,7 @@ def test_fixed_sampled_chain_draws_what_the_plain_chain_draws(target, cfg):
     assert whole and set(whole) <= {1, 2, 3} and whole.count(3) > len(whole) // 2  # every chain was drafted whole
 
 
+@pytest.mark.proof
 def test_fixed_sampled_chains_are_lossless():
     """χ² of 4000 sampled 4-token continuations against the target's exact law, every chain drafted whole."""
     tv, length, n = 4, 4, 4000

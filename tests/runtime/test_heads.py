@@ -172,6 +172,7 @@ def test_greedy_output_is_the_targets_own_with_head_policies(target, kind):
             assert out.tokens == expected, (kind, policy.name)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("policy_name", ["specdec", "disco"])
 def test_sampling_with_a_head_policy_is_lossless(policy_name):
     """χ² of 2000 sampled 3-token continuations against the target's exact law, the draft length decided by

@@ -38,6 +38,7 @@ def test_lossy_ends_and_its_acceptance_ratio():
         assert torch.allclose((pi / q).clamp(max=1), (p / ((1 - alpha) * q)).clamp(max=1), atol=1e-6)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("beta", [1.0, "tuned"])
 def test_lossy_procedure_follows_pi(beta):
     """Run the lossy procedure itself (accept with min(1, p/((1−α)q)), else draw from norm(max(0, p/β − q)))
@@ -95,6 +96,7 @@ def test_v3_at_temperature_zero_is_greedy_lossy_decoding():
             assert (accepted == 1) == lenient and (lenient or token == top)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("rule", ["v1", "v2", "v3"])
 def test_token_specific_samples_follow_pi(rule):
     g = torch.Generator().manual_seed(6)
@@ -201,6 +203,7 @@ def sequential_law(target, draft, prompt, length, k, cfg, rule):
     return dict(law)
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("mode, rule, alpha", [("lossy", "tuned", 0.2), ("cascade", "opt", 0.2), ("token", "v3", 0.6),
                                               ("bild", "star", 0.1), ("bild", "rollback", 0.6)])
 def test_decoded_sequences_follow_the_sequential_law_of_pi(mode, rule, alpha):

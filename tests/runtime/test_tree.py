@@ -290,6 +290,7 @@ def peaky_drafter(target):
     return drafter
 
 
+@pytest.mark.proof
 @pytest.mark.parametrize("cfg, shape, prompt, policy", [
     (SamplingConfig(temperature=1.0), TreeShape(2, 2, 4), [1, 2], None),
     (SamplingConfig(temperature=0.7, top_k=3), TreeShape(3, 2, 5), [1, 2], None),
