@@ -67,6 +67,11 @@ def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt,
     no_head = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"), "--limit", "1",
                       "--max_new_tokens", "8", "--policy", "dspark", "--out", str(tmp_path / "e"))
     assert no_head.returncode != 0 and "confidence head" in no_head.stderr
+    for policy, refusal in (("dspark", "DSpark's confidence head sizes chains only; with --tree use --policy cost or "
+                                       "static"), ("specdec", "draws every level of a tree from one forward")):
+        refused = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                          "--limit", "1", "--tree", "3,2,6", "--policy", policy, "--out", str(tmp_path / "r"))
+        assert refused.returncode == 2 and refusal in refused.stderr, refused.stderr[-2000:]
     with pytest.raises(DraftsmithError, match="trains block drafters"):
         BlockDrafterModule(target=str(tiny_features / "target"), kind="eagle3")
     with pytest.raises(TypeError, match="val_steps"):  # EAGLE's settings are not a block drafter's

@@ -90,11 +90,13 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
         if self.tree in ("", "none", "chain"):
             self.tree = None
-        from draftsmith.runtime.policies import policy_kind
+        from draftsmith.runtime.policies import check_tree_policy, policy_kind
 
         if policy_kind(self.policy).references and self.temperature > 0:
             raise DraftsmithError(f"--policy {self.policy} is a greedy bound (it drafts until the first token that "
                                   "differs from the target's greedy text): use --temperature 0")
+        if self.tree is not None:
+            check_tree_policy(policy_kind(self.policy))
         if self.lookup and self.tree is None:
             raise DraftsmithError("--lookup grafts a branch on EAGLE-2 trees: give --tree DEPTH,TOPK,TOKENS too")
         if self.mode != "exact" and self.tree is not None:
@@ -222,8 +224,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.policies import Static, policy_kind
-    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.policies import Static, check_tree_policy, policy_kind
+    from draftsmith.runtime.proposers import NoProposer, levels_asked
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.progress import Bars
 
@@ -265,6 +267,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     ids = [encode(c) for c in conversations]
     categories = [p["category"] for p in prompts]
     policy = policy_kind(cfg.policy)
+    if cfg.tree is not None:
+        check_tree_policy(policy, levels_asked(proposer))
     references = oracle_references(runner, proposer, ids, cfg.max_new_tokens, cfg.k, eos) if policy.references else None
     stop_head = None
     if policy.head is not None and cfg.drafter is None:

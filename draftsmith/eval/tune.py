@@ -84,6 +84,10 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
             raise DraftsmithError("--repeats and --limit must be >= 1")
         if self.tree is not None and by_labels:
             raise DraftsmithError(f"--policy {self.policy} is tuned on labels, not by decoding: drop --tree")
+        if self.tree is not None:
+            from draftsmith.runtime.policies import check_tree_policy
+
+            check_tree_policy(self.kind())
         self.tree_shape()  # a malformed --tree stops here
 
     def kind(self) -> Any:
@@ -149,7 +153,8 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.runtime.loading import load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.runner import TargetRunner
-    from draftsmith.runtime.policies import PolicySettings
+    from draftsmith.runtime.policies import PolicySettings, check_tree_policy
+    from draftsmith.runtime.proposers import levels_asked
     from draftsmith.runtime.sampling import SamplingConfig
     from draftsmith.progress import Bars
 
@@ -157,6 +162,8 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
                          chat_template=cfg.chat_template)
     proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
+    if cfg.tree is not None:
+        check_tree_policy(cfg.kind(), levels_asked(proposer))
     head, section = load_stop_head(cfg.drafter, cfg.kind(), target, proposer)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     prompts = load_prompts("heldout", cfg.limit, "first", cfg.data, cfg.val_fraction, cfg.data_limit)

@@ -67,6 +67,9 @@ class BlockProposer:
     def enable_graphs(self, capture: bool | None = None) -> bool:
         return False  # one forward a block: drafted eagerly
 
+    def asks_each_level(self) -> bool:
+        return False  # every level of a tree comes from the block's one forward
+
     @torch.no_grad()
     def observe(self, next_tokens: list[int], final: torch.Tensor, aux: torch.Tensor | None) -> None:
         """The n committed tokens' features (n, k·Ht) join the context; the last token is the next anchor."""

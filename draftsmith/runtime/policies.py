@@ -14,7 +14,7 @@ which measure what a drafted token costs, are `runtime/cost.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -262,7 +262,10 @@ class PolicyKind:
         grid, ks: the thresholds and most lengths `draftsmith tune` tries ("decode").
         references: it reads each prompt's greedy continuation by the target, and the drafter's greedy chains,
             computed before decoding (the oracle): so it decodes greedily only.
-        sizes_trees: with --tree it sizes each tree round itself (depth, nodes, lookup tokens).
+        trees: what it does with --tree: "sized" (it sizes each tree round itself: depth, nodes, lookup
+            tokens), "whole" (every level and node of the shape), "depth" (its head sets each round's depth,
+            level by level: for drafters that draft a level a forward), or None (it sizes chains only: --tree
+            is refused).
     """
 
     name: str
@@ -274,7 +277,11 @@ class PolicyKind:
     grid: tuple[float, ...] = ()
     ks: tuple[int, ...] = ()
     references: bool = False
-    sizes_trees: bool = False
+    trees: Literal["sized", "whole", "depth"] | None = None
+
+    @property
+    def sizes_trees(self) -> bool:
+        return self.trees == "sized"
 
     @property
     def head_kind(self) -> HeadKind | None:
@@ -303,14 +310,14 @@ def _stop(policy: type) -> Callable[[PolicySettings], Callable[[list[int]], Poli
 
 def _head_policy(head: HeadKind, policy: type) -> PolicyKind:
     return PolicyKind(head.name, head.title, _stop(policy), head="stop", tuned=True, tune="decode", grid=head.grid,
-                      ks=head.ks)
+                      ks=head.ks, trees="depth")
 
 
 CONFIDENCE_GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # DSpark's bounds on Π c_i tried by tune
 
 POLICY_KINDS: dict[str, PolicyKind] = {k.name: k for k in (
-    PolicyKind("cost", "the cost policy", _cost, sizes_trees=True),
-    PolicyKind("static", "a static draft length", lambda s: (lambda prompt: Static(k=s.k))),
+    PolicyKind("cost", "the cost policy", _cost, trees="sized"),
+    PolicyKind("static", "a static draft length", lambda s: (lambda prompt: Static(k=s.k)), trees="whole"),
     PolicyKind("heuristic", "transformers' heuristic schedule", lambda s: (lambda prompt: Heuristic(k=s.k))),
     PolicyKind("confidence", "the confidence rule", lambda s: (lambda prompt: Confidence(threshold=s.threshold, k=s.k)),
                tuned=True, tune="labels"),
@@ -326,6 +333,18 @@ def policy_kind(name: str) -> PolicyKind:
     if name not in POLICY_KINDS:
         raise DraftsmithError(f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICY_KINDS)}")
     return POLICY_KINDS[name]
+
+
+def check_tree_policy(kind: PolicyKind, levels_asked: bool = True) -> None:
+    """Refuse --tree with a policy that does nothing with trees, or whose head would set the depth of trees
+    drawn whole from one forward (`levels_asked` False: the loaded proposer's `asks_each_level`)."""
+    works = " or ".join(k.name for k in POLICY_KINDS.values() if k.trees in ("sized", "whole"))
+    if kind.trees is None:
+        raise DraftsmithError(f"--policy {kind.name}: {kind.title} sizes chains only; with --tree use --policy "
+                              f"{works}, or drop --tree")
+    if kind.trees == "depth" and not levels_asked:
+        raise DraftsmithError(f"--policy {kind.name} sets a tree's depth level by level, but this drafter draws every "
+                              f"level of a tree from one forward: with --tree use --policy {works}, or drop --tree")
 
 
 def make_policy(name: str, **kwargs) -> Policy:

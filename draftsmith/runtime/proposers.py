@@ -67,6 +67,17 @@ class TreeProposer(Proposer, Protocol):
     def propose_tree(self, shape: TreeShape, expand: Expand | None = None) -> DraftTree:
         ...
 
+    def asks_each_level(self) -> bool:
+        """Whether `propose_tree` asks `expand` before each level after the first (a drafter forward a level);
+        False where one forward gives every level (P-EAGLE, the block drafters): a stop rule cannot size
+        those trees."""
+        ...
+
+
+def levels_asked(proposer: Proposer) -> bool:
+    """Whether a stop rule can set the depth of `proposer`'s trees (`TreeProposer.asks_each_level`)."""
+    return isinstance(proposer, TreeProposer) and proposer.asks_each_level()
+
 
 def _empty(v: int) -> Draft:
     return [], torch.zeros(0, v), torch.zeros(0, v)
@@ -128,6 +139,9 @@ class FeatureProposer:
     def forward(self) -> Callable[..., torch.Tensor]:
         """What each drafter forward calls: the drafter, or its graphs once enabled."""
         return self.drafter if self.graphs is None else self.graphs
+
+    def asks_each_level(self) -> bool:
+        return not self.parallel
 
     def enable_graphs(self, capture: bool | None = None) -> bool:
         """Run the drafter's forwards on a fixed-capacity KV slab, replayed from CUDA graphs on a GPU

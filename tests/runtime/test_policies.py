@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith import DraftsmithError
 from draftsmith.eval.evaluate import EvalConfig, policy_factory
 from draftsmith.runtime.generate import generate
 from draftsmith.runtime.runner import TargetRunner
@@ -185,3 +186,32 @@ def test_policies_read_the_hidden_state_that_drafted_each_token(target):
             probs = proposer._to_target(torch.softmax(logits.float(), -1))
             assert torch.allclose(probs, s.q_raw, atol=1e-5), name
             assert s.token == int(s.q_raw.argmax())
+
+
+def test_a_policy_that_does_nothing_with_trees_is_refused_with_them(target):
+    """Before, `--policy dspark --tree ...` decoded whole trees and said nothing (as did the heuristic, the
+    confidence rule and the oracle): each policy's entry says what it does with a tree, and one that does
+    nothing is refused, naming what works; a stop head is refused on trees drawn whole from one forward."""
+    from draftsmith.eval.tune import TuneConfig
+    from draftsmith.runtime.policies import POLICY_KINDS, check_tree_policy, policy_kind
+    from draftsmith.runtime.proposers import levels_asked
+    from tests.runtime.test_block import tree_proposer
+    from tests.runtime.test_tree import feature_proposers
+
+    chains_only = [k.name for k in POLICY_KINDS.values() if k.trees is None]
+    assert {"dspark", "heuristic", "confidence", "oracle"} <= set(chains_only)
+    for name in chains_only:
+        with pytest.raises(DraftsmithError, match=f"--policy {name}: .* sizes chains only; with --tree use "
+                                                  "--policy cost or static, or drop --tree"):
+            EvalConfig(target="", policy=name, tree="3,2,6", temperature=0)
+    with pytest.raises(DraftsmithError, match="sizes chains only"):
+        TuneConfig(target="", drafter="d", policy="dspark", tree="3,2,6")
+    for name in ("cost", "static", "specdec", "disco"):
+        EvalConfig(target="", policy=name, tree="3,2,6")
+    block, parallel = (tree_proposer(target, kind, V, 3) for kind in ("dflash", "peagle"))
+    assert not levels_asked(block) and not levels_asked(parallel) and levels_asked(feature_proposers(target)["eagle3"])
+    assert not levels_asked(ModelProposer(target, V))  # no trees at all
+    with pytest.raises(DraftsmithError, match="draws every level of a tree from one forward"):
+        check_tree_policy(policy_kind("specdec"), levels_asked(block))
+    check_tree_policy(policy_kind("specdec"), levels_asked(feature_proposers(target)["eagle3"]))
+    check_tree_policy(policy_kind("cost"), levels_asked(block))
