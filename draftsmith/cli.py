@@ -10,6 +10,7 @@ docstring is the command's help. `draftsmith COMMAND --help` lists them.
     draftsmith export CKPT_OR_RUN_DIR --format native|eagle|eagle3|speculators --out DIR
     draftsmith tune --target T --drafter DIR --policy specdec|disco|confidence ...
     draftsmith eval --target T --drafter DIR [--prompts mtbench|humaneval|heldout] [--policy specdec] ...
+    draftsmith profile --target T [--drafter DIR] --out PROFILE.json
     draftsmith run RECIPE.yaml [--prompts heldout] ...
 
 Options take `--max_length` or `--max-length` alike; a bare `--json` means `--json true`.
@@ -25,6 +26,7 @@ from draftsmith import DraftsmithError
 from draftsmith.data.conversations import DataStatsConfig
 from draftsmith.jobs.regenerate import RegenerateConfig
 from draftsmith.eval.evaluate import EvalConfig
+from draftsmith.eval.profile import ProfileConfig
 from draftsmith.eval.tune import TuneConfig
 from draftsmith.export import ExportConfig
 from draftsmith.jobs.extract import ExtractConfig
@@ -117,6 +119,21 @@ def tune(cfg: TuneConfig) -> None:
                     + f" (written into {cfg.drafter})")
 
 
+def profile(cfg: ProfileConfig) -> None:
+    """Measure this machine's cost profile: what verifying n rows and a drafter forward cost in target steps.
+
+    `draftsmith eval --cost_profile FILE` prices a run's counted rounds by it (modelled speedup).
+    """
+    from rich.console import Console
+
+    from draftsmith.eval.profile import run_profile
+
+    made = run_profile(cfg)
+    Console().print("[bold]verify[/] (rows: steps) " + ", ".join(f"{r}: {s:.3f}" for r, s in made.verify)
+                    + "  [bold]draft[/] " + (", ".join(f"{k} {v:.3f} steps a forward" for k, v in made.draft.items())
+                                             or "(no drafter)") + f"  step {made.step_ms:.2f} ms  -> {cfg.out}")
+
+
 def regenerate(cfg: RegenerateConfig) -> None:
     """Let the target answer the chats' user turns itself and write the chats to OUT (.jsonl).
 
@@ -193,7 +210,7 @@ def run(cfg: RunConfig) -> None:
 COMMANDS: dict[str, Any] = {"data": {"stats": (DataStatsConfig, data_stats)}, "regenerate": (RegenerateConfig, regenerate),
                             "extract": (ExtractConfig, extract), "labels": (LabelsConfig, labels),
                             "export": (ExportConfig, export), "eval": (EvalConfig, evaluate),
-                            "tune": (TuneConfig, tune), "run": (RunConfig, run)}
+                            "tune": (TuneConfig, tune), "profile": (ProfileConfig, profile), "run": (RunConfig, run)}
 LIGHTNING_COMMANDS = ("fit", "validate")
 
 
@@ -295,6 +312,7 @@ INTERRUPTED = {
     "fit": "training's last.ckpt is kept; rerun with --ckpt_path last to resume",
     "eval": "an eval keeps nothing until it ends; rerun it",
     "tune": "tune writes its choice at the end: nothing was written; rerun it",
+    "profile": "profile writes its file at the end: nothing was written; rerun it",
 }
 
 

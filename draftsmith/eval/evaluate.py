@@ -163,6 +163,9 @@ class EvalConfig(TargetOptions, DecodeOptions):
         data: the chats whose validation split `--prompts heldout` evaluates on.
         val_fraction: the share of conversations held out for validation (as the training recipe's data.val_fraction).
         data_limit: the number of conversations the training split was drawn from (as the recipe's data.limit).
+        cost_profile: the cost profiles to model the speedup under, beside the one timed (comma-separated):
+            measured (this machine's, timed by the run), a profile draftsmith ships (h100-llama8b) or a
+            profile file (`eval/profile.py`); reported as modelled in the table, results.json and a plot.
         out: the results directory.
     """
 
@@ -170,6 +173,7 @@ class EvalConfig(TargetOptions, DecodeOptions):
     data: str = "sharegpt"
     val_fraction: float = VAL_FRACTION
     data_limit: int | None = None
+    cost_profile: str | None = None
     out: str = "runs/eval"
 
 
@@ -217,10 +221,11 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import measure
-    from draftsmith.eval.machine import OTHERS_LIMIT, CpuShare, load_average
+    from draftsmith.eval.machine import OTHERS_LIMIT, CpuShare, cpu_name, load_average
+    from draftsmith.eval.profile import modelled_speedups, profile_names
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
-    from draftsmith.runtime.loading import load_proposer, load_stop_head
+    from draftsmith.runtime.loading import export_kind, load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
     from draftsmith.runtime.runner import TargetRunner
@@ -230,12 +235,16 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.progress import Bars
 
     console = console or Console(stderr=True)
+    profiles = profile_names(cfg.cost_profile)
     if cfg.mode != "exact" and cfg.drafter is None:
         raise DraftsmithError(f"--mode {cfg.mode} verifies a drafter's tokens: give --drafter")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
                          chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
+    kind = export_kind(cfg.drafter)
+    model = (lambda generations: modelled_speedups(profiles, runner, generations, kind, cpu_name())) if profiles \
+        else None
     if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs
         runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=cfg.compile)
         proposer.enable_graphs()  # where the proposer has graphs to replay
@@ -295,7 +304,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
             prefix = f"alpha {alpha:g} " if cfg.sweep else ""
             points.append(measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
                                   cfg.repeats, cfg.seed, lambda label: tick_factory(prefix + label),
-                                  tree=cfg.tree_shape(), rule=rule))
+                                  tree=cfg.tree_shape(), rule=rule, model=model))
         rows = reference_rows(runner, proposer, chats, tick_factory("reference answers")) if chats else None
     scores: dict = {}  # the target alone's text is the same at every point: scored once
     for (alpha, rule), point in zip(rules, points):

@@ -56,3 +56,15 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name and core count, as /proc/cpuinfo says (what a measured cost profile was timed on)."""
+    import platform
+
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"

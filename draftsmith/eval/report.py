@@ -110,6 +110,10 @@ def table(results: dict[str, Any]) -> Any:
     t.add_row("[bold]all", str(sum(c["prompts"] for c in results["per_category"].values())), f"[bold]{acc['tau']:.2f}",
               f"{acc['mean_accepted']:.2f}", f"{speed['method']['tokens_per_second']:.1f}",
               f"{speed['autoregressive']['tokens_per_second']:.1f}", speedup_cell(speed["speedup"], valid, "[bold]"))
+    for name, m in results.get("modelled", {}).items():  # the same rounds, under a cost profile
+        rate = f"{m['tokens_per_second']:.1f}" if m.get("tokens_per_second") else ""
+        t.add_row(f"[italic]modelled: {name}", "", "", "", rate, "",
+                  f"[italic]{m['speedup']:.2f}x" if m.get("speedup") else "—")
     alpha = ", ".join(f"{a:.2f}" for a in acc["alpha"] if a is not None)
     lookup = f" + prompt lookup {results['config']['lookup']}" if results["config"].get("lookup") else ""
     from draftsmith.runtime.policies import POLICY_KINDS
@@ -120,6 +124,10 @@ def table(results: dict[str, Any]) -> Any:
         if results["config"].get("tree") else f"{results['config'].get('policy', 'static')} chain"
     t.caption = (f"{drafts}  α_j by depth: [{alpha}]  target forwards/token {acc.get('target_forwards_per_token', 0):.2f}  "
                  f"drafted-but-rejected {acc.get('drafted_rejected', 0)}  median of {speed['repeats']} repeats")
+    unpriced = [f"{name}: {m['why']}" for name, m in results.get("modelled", {}).items() if m.get("why")]
+    if results.get("modelled"):
+        t.caption += ("  modelled: the rounds counted, priced by the cost profile (eval/profile.py), not timed"
+                      + (f" ({'; '.join(unpriced)})" if unpriced else ""))
     if results["config"].get("compile") and speed.get("warmup_seconds") is not None:
         t.caption += f"  compiled: warm-up (compiling) {speed['warmup_seconds']:.0f} s"
     if acc.get("draft_vocab_coverage") is not None:
@@ -223,4 +231,17 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     paths.append(str(out / "by_category.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    modelled = {f"modelled:\n{name}": m["speedup"] for name, m in results.get("modelled", {}).items() if m.get("speedup")}
+    if modelled:
+        timed = {"timed here": results["speed"]["speedup"]} if results["speed"].get("valid", True) else {}
+        fig, ax = plt.subplots(figsize=(1.6 + 1.3 * (len(timed) + len(modelled)), 3.2))
+        ax.bar(list(timed) + list(modelled), list(timed.values()) + list(modelled.values()),
+               color=["#C44E52"] * len(timed) + ["#8172B2"] * len(modelled))
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_ylabel("speedup over autoregressive")
+        ax.set_title("timed and modelled (cost profiles)")
+        fig.tight_layout()
+        paths.append(str(out / "speedup_modelled.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths

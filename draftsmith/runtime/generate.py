@@ -40,6 +40,7 @@ class RoundStats:
     target_forwards: int
     drafter_forwards: int
     seconds: float
+    draft_seconds: float = 0.0  # of `seconds`, drafting (the proposer's forwards and draws)
 
 
 @dataclass
@@ -58,11 +59,13 @@ class GenerationResult:
 def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], policy: Policy, k: int,
                  sampling: SamplingConfig, rule: TargetRule | None, generator: torch.Generator | None):
     """Draft a chain, verify it in one target forward. Returns accepted draft tokens, the next
-    token, the forward's outputs, and (drafted, depth)."""
+    token, the forward's outputs, and (drafted, depth, drafting seconds)."""
     bild = isinstance(rule, Rollback)
     if bild and rule.fallback is not None:
         policy = Fallback(policy, rule.fallback)  # stops after the first unsure token; dropped below
+    t0 = time.perf_counter()
     draft, q, q_raw = proposer.propose(sequence, policy, k, sampling, generator)
+    seconds = time.perf_counter() - t0
     if bild and len(draft):
         kept = rule.confident(q_raw)
         draft, q, q_raw = draft[:kept], q[:kept], q_raw[:kept]
@@ -80,7 +83,7 @@ def _chain_round(runner: TargetRunner, proposer: Proposer, sequence: list[int], 
             pi[:n] = rule(q_raw.to(p.device), q.to(p.device), p_raw[:n], p[:n])
         accepted, token = verify_chain(torch.tensor(draft, dtype=torch.long, device=p.device), q.to(p.device), pi, generator)
     runner.rollback(n - accepted)
-    return draft[:accepted], token, (final, aux), (n, n)
+    return draft[:accepted], token, (final, aux), (n, n, seconds)
 
 
 def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int], shape: TreeShape, room: int,
@@ -92,7 +95,7 @@ def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int
     verified and the lookup tokens grafted."""
     start = runner.cached()
     shape = replace(shape, depth=min(shape.depth, room))
-    plan = policy.plan_tree(shape.total_tokens + shape.lookup, lambda n: _verify_seconds(runner, sequence[-1], n))
+    plan = policy.plan_tree(shape.total_tokens + shape.lookup, lambda n: verify_seconds(runner, sequence[-1], n))
     t0 = time.perf_counter()
     tree = proposer.propose_tree(shape, plan.expand if plan.decides_depth else None)
     seconds = time.perf_counter() - t0
@@ -110,12 +113,12 @@ def _tree_round(runner: TargetRunner, proposer: TreeProposer, sequence: list[int
     plan.verified(sum(i < drafted for i in path), len(tree) - drafted, sum(i >= drafted for i in path))
     rows = torch.tensor([0] + [1 + i for i in path], device=final.device)
     features = (final[rows], aux[rows] if aux is not None else None)
-    return tree.tokens[path].tolist(), token, features, (len(tree), tree.max_depth)
+    return tree.tokens[path].tolist(), token, features, (len(tree), tree.max_depth, seconds)
 
 
-def _verify_seconds(runner: TargetRunner, root: int, n: int) -> float:
+def verify_seconds(runner: TargetRunner, root: int, n: int) -> float:
     """Seconds of one verification forward over `root` and a chain of n nodes under a tree mask,
-    rolled back after (what the cost policy prices a tree's rows by)."""
+    rolled back after (what the cost policy prices a tree's rows by, and a measured cost profile's rows)."""
     start, device = runner.cached(), runner.device
     chain = DraftTree(tokens=torch.full((n,), root, dtype=torch.long, device=device),
                       parents=torch.arange(-1, n - 1, device=device), depth=torch.arange(1, n + 1, device=device),
@@ -160,10 +163,10 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
         sequence = prompt + result.tokens
         room = max_new_tokens - len(result.tokens) - 1  # drafted tokens that can still be committed
         if tree is None or room < 1:  # no room left for a draft: a chain of 0 is one plain step
-            accepted, token, (final, aux), (k, depth) = _chain_round(
+            accepted, token, (final, aux), (k, depth, drafting) = _chain_round(
                 runner, proposer, sequence, policy, min(policy.max_tokens(), room), sampling, rule, generator)
         else:
-            accepted, token, (final, aux), (k, depth) = _tree_round(
+            accepted, token, (final, aux), (k, depth, drafting) = _tree_round(
                 runner, proposer, sequence, tree, room, sampling, generator, policy)
         new = accepted + [token]
         for i, x in enumerate(new):  # EOS inside the committed tokens ends the sequence there
@@ -178,6 +181,6 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
         result.rounds.append(RoundStats(drafted=k, accepted=min(len(accepted), len(new) - 1 if new else 0),
                                         committed=len(new), depth=depth, target_forwards=1,
                                         drafter_forwards=proposer.forwards - drafter_before,
-                                        seconds=time.perf_counter() - t0))
+                                        seconds=time.perf_counter() - t0, draft_seconds=drafting))
     result.seconds = time.perf_counter() - start
     return result

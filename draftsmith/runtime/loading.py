@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from draftsmith import DraftsmithError
-from draftsmith.models.registry import drafter_kind
+from draftsmith.models.registry import STANDALONE, drafter_kind
 from draftsmith.runtime.policies import PolicyKind
 from draftsmith.models.loading import STANDALONE_FILE, STOP_HEADS, STOP_HEADS_FILE, TOKEN_COUNTS, load_native, native_config_path
 from draftsmith.runtime.proposers import FeatureProposer, NoProposer
@@ -43,6 +43,17 @@ def load_proposer(drafter: str | None, target: Any, head_vocab: int = 0) -> tupl
     block = f", block {drafter_module.block_size}" if kind.blocks else ""
     return feature_proposer(kind, drafter_module, target.vocab_size, config.get("aux_layer_ids", [])), \
         f"{kind.name} ({path.name}{block})"
+
+
+def export_kind(drafter: str | None) -> str | None:
+    """The drafter kind of an export directory (`models/registry.py`'s name; standalone for a draft LM), None
+    for plain decoding."""
+    if drafter in (None, "none"):
+        return None
+    path = Path(drafter)
+    if (path / STANDALONE_FILE).is_file():
+        return STANDALONE.name
+    return json.loads((path / "config.json").read_text())["kind"]
 
 
 def feature_proposer(kind: Any, drafter: Any, vocab_size: int, aux_layer_ids: list[int]) -> Any:
