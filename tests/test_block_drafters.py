@@ -51,6 +51,18 @@ def test_dspark_confidence_policy_is_tuned_and_read_back(dspark_ckpt, tiny_featu
     result = evaluate(tiny_features, tmp_path / "d", tmp_path / "eval", "--policy", "dspark")
     assert result["identical_outputs"] is True
     assert f"threshold {section['threshold']:g}" in result["config"]["drafter"]
+    # under a profile where every row verified costs two more steps, the threshold that drafts less is chosen
+    steep = tmp_path / "steep.json"
+    steep.write_text(json.dumps({"machine": "by hand", "source": "a test", "verify": [[1, 1.0], [2, 3.0]],
+                                 "draft": {"dspark": 0.0}}))
+    tuned = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                    "--policy", "dspark", "--data", str(tiny_features / "chats.json"), "--limit", "2", "--repeats", "1",
+                    "--max_new_tokens", "12", "--thresholds", "[0.0,0.99]", "--dtype", "float32", "--cost_profile", str(steep))
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    section = json.loads((tmp_path / "d" / "config.json").read_text())["stop_heads"]["dspark"]["tuned"]["greedy"]
+    by_threshold = {p["threshold"]: p["modelled_speedup"] for p in section["grid"]}
+    assert section["threshold"] == 0.99 and by_threshold[0.99] > by_threshold[0.0]
+    assert section["cost_profile"]["source"] == "a test" and section["modelled_speedup"] == by_threshold[0.99]
 
 
 def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, tmp_path):

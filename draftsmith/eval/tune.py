@@ -12,6 +12,10 @@
   accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve, written where
   `eval --policy confidence` reads it when no --threshold is given. No decoding.
 - dspark: DSpark's bound on Π c_i, decoded as specdec's and disco's thresholds are.
+- With --cost_profile NAME the grid is decoded as above, and the setting chosen is the fastest by the speedup
+  modelled under that cost profile (`eval/profile.py`: the rounds counted, priced by the profile) rather than
+  by tokens/s timed here: the threshold for the machine the drafter will serve on. The profile is filed
+  with the choice.
 
 Which policy is tuned which way is its registry entry's `tune` (`runtime.policies.POLICY_KINDS`).
 """
@@ -53,6 +57,8 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
         temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`),
             with top_k / top_p.
         repeats: timed passes per setting (median); the settings alternate within a pass.
+        cost_profile: choose by the speedup modelled under this cost profile (a shipped one such as
+            h100-llama8b, a profile file, or measured: this machine's, timed) in place of tokens/s timed here.
     """
 
     drafter: str
@@ -67,6 +73,7 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
     data_limit: int | None = None
     limit: int = 8
     repeats: int = 2
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         from draftsmith.runtime.policies import POLICY_KINDS
@@ -84,6 +91,11 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
             raise DraftsmithError("--repeats and --limit must be >= 1")
         if self.tree is not None and by_labels:
             raise DraftsmithError(f"--policy {self.policy} is tuned on labels, not by decoding: drop --tree")
+        if self.cost_profile is not None:
+            from draftsmith.eval.profile import profile_names
+
+            if by_labels or len(profile_names(self.cost_profile)) != 1:
+                raise DraftsmithError("--cost_profile: one profile, for a policy tuned by decoding")
         if self.tree is not None:
             from draftsmith.runtime.policies import check_tree_policy
 
@@ -150,7 +162,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.loading import tuned_key, update_stop_heads
-    from draftsmith.runtime.loading import load_proposer, load_stop_head
+    from draftsmith.runtime.loading import export_kind, load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.runner import TargetRunner
     from draftsmith.runtime.policies import PolicySettings, check_tree_policy
@@ -180,6 +192,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     decode_all(runner, proposer, ids[:1], 16, policy_for(grid[0]), sampling, eos, cfg.seed, tree=tree)  # warm-up
     rates: dict[tuple[float, int], list[float]] = {p: [] for p in grid}
     taus: dict[tuple[float, int], float] = {}
+    decoded: dict[tuple[float, int], list[Any]] = {p: [] for p in grid}  # every pass's generations
     with Bars(TextColumn("[bold]tune {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task(cfg.policy, total=len(grid) * cfg.repeats)
@@ -189,13 +202,18 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
                                      cfg.seed + r, tree=tree)
                 rates[point].append(sum(len(x.tokens) for x in results) / sum(x.seconds for x in results))
                 taus[point] = acceptance_stats(results)["tau"]
+                decoded[point] += results
                 progress.advance(task)
     speed = {p: statistics.median(v) for p, v in rates.items()}
-    best = max(grid, key=lambda p: speed[p])
+    modelled = modelled_by_point(cfg, runner, decoded, export_kind(cfg.drafter)) if cfg.cost_profile else {}
+    best = max(grid, key=lambda p: modelled[p]["speedup"] if modelled else speed[p])
     mode = tuned_key(cfg.temperature == 0, tree is not None)
     chosen = {"threshold": best[0], "k": best[1], "tokens_per_second": round(speed[best], 2),
               **({"tree": cfg.tree} if tree is not None else {}),
-              "grid": [{"threshold": t, "k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3)}
+              **({"cost_profile": modelled[best]["profile"], "modelled_speedup": round(modelled[best]["speedup"], 3)}
+                 if modelled else {}),
+              "grid": [{"threshold": t, "k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3),
+                        **({"modelled_speedup": round(modelled[t, k]["speedup"], 3)} if modelled else {})}
                        for t, k in grid],
               "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
                           "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": target.dtype_name,
@@ -203,3 +221,19 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     section.setdefault("tuned", {})[mode] = chosen
     update_stop_heads(cfg.drafter, cfg.policy, section)
     return chosen
+
+
+def modelled_by_point(cfg: TuneConfig, runner: Any, decoded: dict[tuple[float, int], list[Any]],
+                      kind: str | None) -> dict[tuple[float, int], dict[str, Any]]:
+    """Each grid point's speedup modelled under --cost_profile (`eval/profile.modelled_speedup`); a measured
+    profile is timed once, on every point's rounds together."""
+    from draftsmith.eval.machine import cpu_name
+    from draftsmith.eval.profile import CostProfile, modelled_speedup, modelled_speedups
+
+    name = cfg.cost_profile.strip()
+    everything = [g for gens in decoded.values() for g in gens]
+    profile = modelled_speedups([name], runner, everything, kind, cpu_name())[name]
+    if profile.get("why"):
+        raise DraftsmithError(f"--cost_profile {name}: {profile['why']}")
+    priced = CostProfile(**{**profile["profile"], "verify": tuple(map(tuple, profile["profile"]["verify"]))})
+    return {p: {**modelled_speedup(priced, gens, kind), "profile": profile["profile"]} for p, gens in decoded.items()}
