@@ -81,11 +81,13 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
 def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
             make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
             seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None,
-            rule: TargetRule | None = None, model: Callable[[list[GenerationResult]], dict[str, Any]] | None = None
+            rule: TargetRule | None = None,
+            model: Callable[[list[GenerationResult], list[GenerationResult]], dict[str, Any]] | None = None
             ) -> dict[str, Any]:
     """Both arms over the same prompts, alternating, `repeats` times after a warm-up; `rule` (a lossy or
     cascade target) applies to the drafting arm only: the other is the target alone. `model`: the drafting
-    arm's generations → its modelled speedups (`eval/profile.modelled_speedups`), filed as `modelled`."""
+    arm's generations and the target alone's → its modelled speedups (`eval/profile.modelled_speedups`),
+    filed as `modelled`."""
     baseline = NoProposer(runner.head.weight.shape[0])
     arms = {"autoregressive": baseline, "method": proposer}
     trees = {"autoregressive": None, "method": tree}  # the baseline drafts nothing
@@ -121,7 +123,7 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
                   "repeats": repeats, "warmup_seconds": warmup},
         "per_category": dict(per_category),
-        "modelled": model(method_results) if model is not None else {},
+        "modelled": model(method_results, [x for rep in runs["autoregressive"] for x in rep]) if model else {},
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),
         "samples": [{"category": c, "tokens": x.tokens} for c, x in zip(categories, runs["method"][0][:3])],

@@ -243,8 +243,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
                          chat_template=cfg.chat_template)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     kind = export_kind(cfg.drafter)
-    model = (lambda generations: modelled_speedups(profiles, runner, generations, kind, cpu_name())) if profiles \
-        else None
+    model = (lambda generations, alone: modelled_speedups(profiles, runner, generations, kind, cpu_name(), alone)) \
+        if profiles else None
     if cfg.graphs:  # --compile then compiles the blocks recorded into the graphs
         runner = TargetRunner(target.model, proposer.aux_layer_ids, graphs=True, compile_blocks=cfg.compile)
         proposer.enable_graphs()  # where the proposer has graphs to replay

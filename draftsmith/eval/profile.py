@@ -112,20 +112,26 @@ def load_profile(name: str) -> CostProfile:
 
 
 def measure_profile(verify_seconds: Any, rounds: Iterable[Any], kind: str | None, most_rows: int,
-                    machine: str, repeats: int = 5) -> CostProfile:
+                    machine: str, repeats: int = 9, step_seconds: float | None = None) -> CostProfile:
     """This machine's profile: `verify_seconds(n)` (seconds of one target forward over the root and n more rows)
-    timed `repeats` times at each grid row count up to `most_rows` (and at it), medians over the first's; drafting
-    from `rounds` (`RoundStats`: draft_seconds over drafter_forwards), for `kind`."""
+    timed at each grid row count up to `most_rows` (and at it), the counts taken in turn `repeats` times so a
+    drifting clock moves them alike, as medians over one row's; drafting from `rounds` (`RoundStats`:
+    draft_seconds over drafter_forwards), for `kind`, over one step: `step_seconds` where the caller timed
+    the target alone's steps in its own run (a steadier figure than a few forwards), else one row's median."""
     grid = sorted({r for r in VERIFY_GRID if r <= most_rows} | {1, max(1, most_rows)})
-    seconds = {r: statistics.median(verify_seconds(r - 1) for _ in range(repeats)) for r in grid}
-    step = seconds[1]
+    times: dict[int, list[float]] = {r: [] for r in grid}
+    for _ in range(repeats):
+        for r in grid:
+            times[r].append(verify_seconds(r - 1))
+    seconds = {r: statistics.median(v) for r, v in times.items()}
+    step = step_seconds or seconds[1]
     rounds = list(rounds)
     forwards = sum(r.drafter_forwards for r in rounds)
     draft = {kind: sum(r.draft_seconds for r in rounds) / forwards / step} if kind and forwards else {}
     return CostProfile(name=MEASURED, machine=machine, source="timed by this run: target forwards over a grid of "
-                       "rows; drafting seconds per drafter forward of its rounds",
-                       verify=tuple((r, 1.0 if r == 1 else seconds[r] / step) for r in grid), draft=draft,
-                       step_ms=step * 1000)
+                       "rows (over one row's), the target alone's steps, and its rounds' drafting seconds a drafter "
+                       "forward", verify=tuple((r, 1.0 if r == 1 else seconds[r] / seconds[1]) for r in grid),
+                       draft=draft, step_ms=step * 1000)
 
 
 def modelled_speedup(profile: CostProfile, generations: Iterable[Any], kind: str | None) -> dict[str, Any]:
@@ -147,10 +153,11 @@ def modelled_speedup(profile: CostProfile, generations: Iterable[Any], kind: str
 
 
 def modelled_speedups(names: list[str], runner: Any, generations: list[Any], kind: str | None,
-                      machine: str) -> dict[str, dict[str, Any]]:
+                      machine: str, alone: list[Any] = ()) -> dict[str, dict[str, Any]]:
     """`modelled_speedup` of a run's drafting arm under each profile named (`profile_names`); `measured` is
-    timed here on `runner`, at the context the run's last generation ended with. A profile without the
-    drafter's kind gives no speedup, and says why."""
+    timed here on `runner`, at the context the run's last generation ended with, its step the mean round of
+    `alone` (the target alone's generations of the same run) where given. A profile without the drafter's
+    kind gives no speedup, and says why."""
     from draftsmith.runtime.generate import verify_seconds
 
     out: dict[str, dict[str, Any]] = {}
@@ -159,7 +166,10 @@ def modelled_speedups(names: list[str], runner: Any, generations: list[Any], kin
         if name == MEASURED:
             most = max((r.drafted + 1 for r in rounds), default=1)
             root = generations[-1].tokens[-1]
-            profile = measure_profile(lambda n: verify_seconds(runner, root, n), rounds, kind, most, machine)
+            steps = [r for g in alone for r in g.rounds]
+            step = sum(r.seconds for r in steps) / len(steps) if steps else None
+            profile = measure_profile(lambda n: verify_seconds(runner, root, n), rounds, kind, most, machine,
+                                      step_seconds=step)
         else:
             profile = load_profile(name)
         try:

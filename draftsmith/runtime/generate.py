@@ -40,7 +40,8 @@ class RoundStats:
     target_forwards: int
     drafter_forwards: int
     seconds: float
-    draft_seconds: float = 0.0  # of `seconds`, drafting (the proposer's forwards and draws)
+    draft_seconds: float = 0.0  # of `seconds`, drafting: the proposer's forwards and draws, and its catch-up
+    # forward over the committed tokens (a feature drafter's `observe`, counted in drafter_forwards too)
 
 
 @dataclass
@@ -174,8 +175,10 @@ def generate(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_ne
                 new, result.stop = new[: i + 1], "eos"
                 break
         new = new[: max_new_tokens - len(result.tokens)]
-        if proposer.needs_features and result.stop != "eos":
+        if proposer.needs_features and result.stop != "eos":  # the drafter's catch-up forward: drafting too
+            t1 = time.perf_counter()
             proposer.observe(new, final[: len(new)], aux[: len(new)] if aux is not None else None)
+            drafting += time.perf_counter() - t1
         policy.end_round(depth, len(accepted))
         result.tokens += new
         result.rounds.append(RoundStats(drafted=k, accepted=min(len(accepted), len(new) - 1 if new else 0),

@@ -44,6 +44,8 @@ def test_a_measured_profile_prices_rows_by_the_timed_forwards_and_drafting_by_th
     p = measure_profile(lambda n: times[n], rounds, "eagle3", 10, "cpu", repeats=1)
     assert [r for r, _ in p.verify] == [1, 2, 4, 8, 10] and p.verify_steps(8) == pytest.approx(1.6)
     assert p.draft == {"eagle3": pytest.approx(0.2)} and p.step_ms == pytest.approx(10.0)  # 8 ms over 4 forwards
+    steady = measure_profile(lambda n: times[n], rounds, "eagle3", 10, "cpu", repeats=1, step_seconds=0.020)
+    assert steady.verify == p.verify and steady.draft == {"eagle3": pytest.approx(0.1)} and steady.step_ms == 20.0
 
 
 def test_profiles_are_named_shipped_or_read_from_a_file(tmp_path):
