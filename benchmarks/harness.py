@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -80,14 +79,10 @@ def machine() -> str:
     """The processor and torch build a figure came from (benchmarks.md names them with every row)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from draftsmith.eval.machine import cpu_model
+
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}{gpu}, torch {torch.__version__}"
+    return f"{cpu_model()}{gpu}, torch {torch.__version__}"
 
 
 def kept_arm(done: Path, record: Path, recipe_file: Path, /, options: dict[str, Any] | None = None,

@@ -58,13 +58,18 @@ def load_average() -> float | None:
         return None
 
 
-def cpu_name() -> str:
-    """The CPU's model name and core count, as /proc/cpuinfo says (what a measured cost profile was timed on)."""
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo says (else what `platform` knows)."""
     import platform
 
     try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        name = None
+    return name or platform.processor() or platform.machine()
+
+
+def cpu_name() -> str:
+    """The CPU's model name and core count (what a measured cost profile was timed on)."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -152,26 +152,30 @@ def modelled_speedup(profile: CostProfile, generations: Iterable[Any], kind: str
     return out
 
 
-def modelled_speedups(names: list[str], runner: Any, generations: list[Any], kind: str | None,
-                      machine: str, alone: list[Any] = ()) -> dict[str, dict[str, Any]]:
-    """`modelled_speedup` of a run's drafting arm under each profile named (`profile_names`); `measured` is
-    timed here on `runner`, at the context the run's last generation ended with, its step the mean round of
-    `alone` (the target alone's generations of the same run) where given. A profile without the drafter's
-    kind gives no speedup, and says why."""
+def profile_for(name: str, runner: Any, generations: list[Any], kind: str | None, machine: str,
+                alone: list[Any] = ()) -> CostProfile:
+    """The profile `name` (`profile_names`) for a run: `measured` is timed here on `runner`, at the context the
+    run's last generation ended with, its drafting from `generations`' rounds and its step the mean round of
+    `alone` (the target alone's generations of the same run) where given; any other is loaded."""
+    if name != MEASURED:
+        return load_profile(name)
     from draftsmith.runtime.generate import verify_seconds
 
-    out: dict[str, dict[str, Any]] = {}
     rounds = [r for g in generations for r in g.rounds]
+    steps = [r for g in alone for r in g.rounds]
+    most = max((r.drafted + 1 for r in rounds), default=1)
+    root = generations[-1].tokens[-1]
+    return measure_profile(lambda n: verify_seconds(runner, root, n), rounds, kind, most, machine,
+                           step_seconds=sum(r.seconds for r in steps) / len(steps) if steps else None)
+
+
+def modelled_speedups(names: list[str], runner: Any, generations: list[Any], kind: str | None,
+                      machine: str, alone: list[Any] = ()) -> dict[str, dict[str, Any]]:
+    """`modelled_speedup` of a run's drafting arm under each profile named (`profile_for`). A profile without
+    the drafter's kind gives no speedup, and says why."""
+    out: dict[str, dict[str, Any]] = {}
     for name in names:
-        if name == MEASURED:
-            most = max((r.drafted + 1 for r in rounds), default=1)
-            root = generations[-1].tokens[-1]
-            steps = [r for g in alone for r in g.rounds]
-            step = sum(r.seconds for r in steps) / len(steps) if steps else None
-            profile = measure_profile(lambda n: verify_seconds(runner, root, n), rounds, kind, most, machine,
-                                      step_seconds=step)
-        else:
-            profile = load_profile(name)
+        profile = profile_for(name, runner, generations, kind, machine, alone)
         try:
             out[name] = {**modelled_speedup(profile, generations, kind), "profile": profile.as_dict()}
         except DraftsmithError as e:
@@ -228,9 +232,8 @@ def run_profile(cfg: ProfileConfig) -> CostProfile:
     root = generations[-1].tokens[-1]
     profile = measure_profile(lambda n: verify_seconds(runner, root, n), rounds, export_kind(cfg.drafter),
                               max(VERIFY_GRID), f"{cpu_name()}, {target.dtype_name}")
-    profile = CostProfile(**{**profile.as_dict(), "name": Path(cfg.out).stem, "verify": profile.verify,
-                             "source": f"draftsmith profile: {target.identity.name} verifying 1 to {max(VERIFY_GRID)} "
-                                       f"rows after {len(prompts)} {cfg.prompts} prompts; {description}'s forwards "
-                                       f"over chains of {cfg.k}"})
+    profile = replace(profile, name=Path(cfg.out).stem,
+                      source=f"draftsmith profile: {target.identity.name} verifying 1 to {max(VERIFY_GRID)} rows after "
+                             f"{len(prompts)} {cfg.prompts} prompts; {description}'s forwards over chains of {cfg.k}")
     write_profile(profile, Path(cfg.out))
     return profile

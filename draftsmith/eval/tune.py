@@ -228,12 +228,11 @@ def modelled_by_point(cfg: TuneConfig, runner: Any, decoded: dict[tuple[float, i
     """Each grid point's speedup modelled under --cost_profile (`eval/profile.modelled_speedup`); a measured
     profile is timed once, on every point's rounds together."""
     from draftsmith.eval.machine import cpu_name
-    from draftsmith.eval.profile import CostProfile, modelled_speedup, modelled_speedups
+    from draftsmith.eval.profile import modelled_speedup, profile_for
 
     name = cfg.cost_profile.strip()
-    everything = [g for gens in decoded.values() for g in gens]
-    profile = modelled_speedups([name], runner, everything, kind, cpu_name())[name]
-    if profile.get("why"):
-        raise DraftsmithError(f"--cost_profile {name}: {profile['why']}")
-    priced = CostProfile(**{**profile["profile"], "verify": tuple(map(tuple, profile["profile"]["verify"]))})
-    return {p: {**modelled_speedup(priced, gens, kind), "profile": profile["profile"]} for p, gens in decoded.items()}
+    profile = profile_for(name, runner, [g for gens in decoded.values() for g in gens], kind, cpu_name())
+    try:
+        return {p: {**modelled_speedup(profile, gens, kind), "profile": profile.as_dict()} for p, gens in decoded.items()}
+    except DraftsmithError as e:
+        raise DraftsmithError(f"--cost_profile {name}: {e}") from None
