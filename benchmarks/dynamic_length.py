@@ -17,6 +17,12 @@ the static arms are the fixed trees of depth 1..DEPTH (the best chosen on the he
 specdec and disco choose each round's depth (the cost policy its node count too); the heads at the
 thresholds tuned for trees (`draftsmith tune --tree DEPTH,TOPK,TOKENS`).
 
+With --profiles measured,h100-llama8b (cost profiles, `draftsmith profile`) each arm's rounds are also priced
+under each profile: the best static arm is chosen on the held-out prompts by its modelled speedup under that
+profile, the heads decode at the thresholds tuned for it (`draftsmith tune --cost_profile measured,h100-llama8b`:
+an arm `specdec@NAME` where they differ from the plain ones), and every arm gets ratio = its modelled speedup ÷
+the best static's under that profile; the oracle's is the headroom there.
+
 Plots: speedup by policy (dynamic_length.png) and, with --labels, each head's calibration on the
 labels' validation chats (calibration.png).
 
@@ -25,7 +31,8 @@ labels' validation chats (calibration.png).
 
 DIR is a native export carrying tuned specdec and disco heads. Ends with
 `RESULT ratio_specdec=... ratio_disco=... ratio_cost=... ratio_oracle=...` (greedy, MT-bench; `_t1`
-for T = 1, `_humaneval` for HumanEval; --suffix _feature for a feature drafter).
+for T = 1, `_humaneval` for HumanEval; --suffix _feature for a feature drafter), then with --profiles the
+same ratios modelled under each, `..._h100_llama8b`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,11 +71,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--suffix", default="", help="appended to every RESULT key, e.g. _feature")
     ap.add_argument("--tree", default=None, help="DEPTH,TOPK,TOKENS: EAGLE-2 tree rounds (feature drafters)")
+    ap.add_argument("--profiles", default=None, help="cost profiles the arms are also priced under (comma-separated: "
+                    "measured, a shipped name, a profile file)")
     ap.add_argument("--out", default=str(ROOT / "runs/bench/dynamic_length"))
     args = ap.parse_args()
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
-    from draftsmith.eval.evaluate import oracle_references
+    from draftsmith.eval.oracle import oracle_references
     from draftsmith.runtime.tree import TreeShape
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.loading import STOP_HEADS, native_config_path, tuned_key, tuned_settings
@@ -77,7 +87,10 @@ def main() -> None:
     from draftsmith.runtime.policies import PolicySettings, policy_kind
     from draftsmith.runtime.proposers import NoProposer
     from draftsmith.runtime.sampling import SamplingConfig
+    from draftsmith.eval.profile import profile_names
+    from draftsmith.runtime.loading import export_kind
 
+    profiles = profile_names(args.profiles)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(args.target, dtype=args.dtype)
@@ -94,23 +107,35 @@ def main() -> None:
     def encode(prompts):
         return [target.encode_chat([{"role": "user", "content": p["turns"][0]}]) for p in prompts]
 
-    def tuned(kind: str, mode: str) -> tuple[float, int]:
+    def tuned(kind: str, mode: str, profile: str | None = None) -> tuple[float, int]:
         tried = heads[kind][1].get("tuned", {})
         if args.tree and not any(tuned_key(greedy, True) in tried for greedy in (True, False)):
             raise SystemExit(f"the {kind} head in {args.drafter} is not tuned for trees: "
                              f"draftsmith tune --policy {kind} --tree {args.tree} ...")
-        chosen = tuned_settings(heads[kind][1], mode == "greedy", tree=args.tree is not None)
+        chosen = tuned_settings(heads[kind][1], mode == "greedy", tree=args.tree is not None, profile=profile)
         if chosen is None:
-            raise SystemExit(f"the {kind} head in {args.drafter} is not tuned: draftsmith tune --policy {kind} ...")
+            raise SystemExit(f"the {kind} head in {args.drafter} is not tuned{' for ' + profile if profile else ''}: "
+                             f"draftsmith tune --policy {kind} {'--cost_profile ' + profile if profile else ''} ...")
         return chosen
 
     shape = TreeShape.parse(args.tree)
     static = STATIC if shape is None else [f"tree{d}" for d in range(1, shape.depth + 1)]
 
-    def head_arm(kind: str, mode: str) -> tuple:
-        threshold, k = tuned(kind, mode)
-        k = shape.depth if shape is not None else k  # a tree round drafts at most its depth, as in eval
-        return proposer, build(kind, head=heads[kind][0], threshold=threshold, k=k, tree=shape is not None), shape
+    def head_arm(kind: str, mode: str, profile: str | None = None) -> tuple:
+        threshold, k = tuned(kind, mode, profile)
+        k = min(k, shape.depth) if shape is not None else k  # a tree round drafts at most its depth, as in eval
+        return (proposer, build(kind, head=heads[kind][0], threshold=threshold, k=k, tree=shape is not None), shape,
+                (kind, threshold, k))
+
+    def profile_arms(mode: str) -> dict:
+        """The heads at the thresholds tuned for each profile, where they differ from the plain arms'."""
+        arms = {}
+        for kind in ("specdec", "disco"):
+            plain = tuned(kind, mode)
+            for name in profiles:
+                if tuned(kind, mode, name) != plain:
+                    arms[f"{kind}@{name}"] = head_arm(kind, mode, name)
+        return arms
 
     def build(name: str, **settings):
         """The registry's prompt → fresh policy function (a run's cost policies share one meter)."""
@@ -123,7 +148,7 @@ def main() -> None:
             for d in range(1, shape.depth + 1):
                 arms[f"tree{d}"] = (proposer, build("static", k=0), replace(shape, depth=d))
             arms.update({"cost": (proposer, build("cost", tree=True), shape),
-                         "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode)})
+                         "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode), **profile_arms(mode)})
             return arms
         for k in range(1, 9):
             arms[f"static{k}"] = (proposer, build("static", k=k), None)
@@ -132,7 +157,7 @@ def main() -> None:
             "confidence": (proposer, build("confidence", threshold=0.4, k=8), None),
             "confidence_roc": (proposer, build("confidence", threshold=roc, k=8), None),
             "cost": (proposer, build("cost", k=8), None),
-            "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode),
+            "specdec": head_arm("specdec", mode), "disco": head_arm("disco", mode), **profile_arms(mode),
         })
         if references is not None:
             arms["oracle"] = (proposer, build("oracle", references=references, k=8), None)
@@ -141,12 +166,12 @@ def main() -> None:
     def run_arms(arms: dict, ids, sampling) -> dict:
         """Every arm on every prompt, the arms alternating prompt by prompt (a drift in the machine's speed
         falls on all of them alike), `repeats` passes after a warm-up; per-arm figures."""
-        for name, (prop, make, tree) in arms.items():
+        for name, (prop, make, tree, *_) in arms.items():
             decode_all(runner, prop, ids[:1], 8, make, sampling, eos, 0, tree=tree)
         results = {name: [[] for _ in range(args.repeats)] for name in arms}
         for r in range(args.repeats):
             for i, x in enumerate(ids):
-                for name, (prop, make, tree) in arms.items():
+                for name, (prop, make, tree, *_) in arms.items():
                     results[name][r] += decode_all(runner, prop, [x], args.max_new_tokens, make, sampling, eos, 1000 * r + i,
                                                    tree=tree)
             print(f"  pass {r + 1}: " + ", ".join(f"{n} {rate(v[r]):.2f}" for n, v in results.items()), flush=True)
@@ -161,8 +186,33 @@ def main() -> None:
         ar = figures["autoregressive"]["tokens_per_second"]
         for f in figures.values():
             f["speedup"] = f["tokens_per_second"] / ar
+        for name, speedups in modelled(results, profiles).items():
+            figures[name]["modelled"] = speedups
         return figures
 
+    priced: dict[str, Any] = {}  # profile name → CostProfile (measured: timed once, on the first arms run)
+
+    def modelled(results: dict, names: list[str]) -> dict[str, dict[str, float | None]]:
+        """arm → profile → the speedup its first pass's rounds model under that profile (None: it has no cost
+        for this drafter's kind)."""
+        from draftsmith import DraftsmithError
+        from draftsmith.eval.machine import cpu_name
+        from draftsmith.eval.profile import modelled_speedup, profile_for
+
+        drafted = [g for name, passes in results.items() if name != "autoregressive" for g in passes[0]]
+        out: dict[str, dict[str, float | None]] = {name: {} for name in results}
+        for p in names:
+            if p not in priced:
+                priced[p] = profile_for(p, runner, drafted, kind, f"{cpu_name()}, {args.dtype}",
+                                        alone=results["autoregressive"][0])
+            for name, passes in results.items():
+                try:
+                    out[name][p] = modelled_speedup(priced[p], passes[0], kind)["speedup"]
+                except DraftsmithError:
+                    out[name][p] = None
+        return out
+
+    kind = export_kind(args.drafter)
     report, keys = {"drafter": description, "head_settings": {}}, {}
     for temperature in args.temperatures:
         sampling = SamplingConfig(temperature)
@@ -175,8 +225,9 @@ def main() -> None:
         static_arms = {k: v for k, v in factories(mode, None).items() if k in static or k == "autoregressive"}
         val = run_arms(static_arms, val_ids, sampling)
         best = max(static, key=lambda k: val[k]["tokens_per_second"])
-        report[f"validation{tag}"] = {"figures": val, "best_static": best}
-        print(f"  best static: {best}", flush=True)
+        best_under = {p: max(static, key=lambda k: val[k]["modelled"][p] or 0) for p in profiles}
+        report[f"validation{tag}"] = {"figures": val, "best_static": best, "best_static_modelled": best_under}
+        print(f"  best static: {best}" + "".join(f"; under {p}: {b}" for p, b in best_under.items()), flush=True)
         for name in args.sets if temperature == 0 else args.t1_sets:
             ids = encode(load_prompts(name, args.humaneval_limit if name == "humaneval" else args.limit))
             print(f"T={temperature:g} {name}: {len(ids)} prompts x {args.max_new_tokens} tokens", flush=True)
@@ -186,13 +237,20 @@ def main() -> None:
             base = figures[best]["tokens_per_second"]
             for f in figures.values():
                 f["ratio_to_best_static"] = f["tokens_per_second"] / base
-            report[f"{name}{tag}"] = {"figures": figures, "best_static": best}
+            report[f"{name}{tag}"] = {"figures": figures, "best_static": best, "best_static_modelled": best_under}
             set_tag = "" if name == "mtbench" else f"_{name}"
             for arm in ("specdec", "disco", "cost", "oracle"):
                 if arm in figures:
                     keys[f"ratio_{arm}{tag}{set_tag}{args.suffix}"] = round(figures[arm]["ratio_to_best_static"], 3)
             keys[f"best_static{tag}{set_tag}{args.suffix}"] = best
             print_table(name, temperature, figures, best)
+            for p, chosen in best_under.items():
+                ratios = modelled_ratios(figures, chosen, p)
+                report[f"{name}{tag}"].setdefault("modelled_ratio", {})[p] = ratios
+                for arm in ("specdec", "disco", "cost", "oracle"):
+                    if ratios.get(arm) is not None:
+                        keys[f"ratio_{arm}{tag}{set_tag}{args.suffix}_{p.replace('-', '_')}"] = round(ratios[arm], 3)
+                print_modelled(name, temperature, p, figures, chosen, ratios)
             if figures.get("oracle", {}).get("rejected_per_token", 0) > 0:
                 print(f"  note: the oracle rejected {figures['oracle']['rejected_per_token']:.3f} tokens per token: what it "
                       "knows in advance (the target's greedy text, the drafter's chains over it) came from forwards of "
@@ -203,6 +261,27 @@ def main() -> None:
     if args.labels:
         calibration_plot(args.labels, heads, out / "calibration.png")
     print_result(keys)
+
+
+def modelled_ratios(figures: dict, best: str, profile: str) -> dict[str, float | None]:
+    """arm → its modelled speedup under `profile` ÷ the best static arm's (chosen on held-out prompts); the
+    heads at the thresholds tuned for that profile where the run has them (`specdec@NAME`)."""
+    base = figures[best]["modelled"].get(profile)
+    out = {}
+    for arm, f in figures.items():
+        if "@" in arm:
+            continue
+        chosen = figures.get(f"{arm}@{profile}", f)["modelled"].get(profile)
+        out[arm] = chosen / base if chosen is not None and base else None
+    return out
+
+
+def print_modelled(name: str, temperature: float, profile: str, figures: dict, best: str, ratios: dict) -> None:
+    print(f"{name} T={temperature:g} modelled under {profile} (best static: {best})")
+    for arm, ratio in ratios.items():
+        speedup = figures.get(f"{arm}@{profile}", figures[arm])["modelled"].get(profile)
+        if speedup is not None:
+            print(f"  {arm:<15}{speedup:>8.3f}x{ratio:>8.3f}")
 
 
 def rate(results) -> float:

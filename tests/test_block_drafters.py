@@ -47,7 +47,8 @@ def test_dspark_confidence_policy_is_tuned_and_read_back(dspark_ckpt, tiny_featu
                     "--max_new_tokens", "12", "--thresholds", "[0.0,0.99]", "--dtype", "float32")
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     section = json.loads((tmp_path / "d" / "config.json").read_text())["stop_heads"]["dspark"]["tuned"]["greedy"]
-    assert {p["threshold"] for p in section["grid"]} == {0.0, 0.99} and section["k"] == 8
+    assert {(p["threshold"], p["k"]) for p in section["grid"]} == {(0.99, 8)} | {(0.0, k) for k in range(1, 9)}
+    assert section["tokens_per_second"] == max(p["tokens_per_second"] for p in section["grid"])
     result = evaluate(tiny_features, tmp_path / "d", tmp_path / "eval", "--policy", "dspark")
     assert result["identical_outputs"] is True
     assert f"threshold {section['threshold']:g}" in result["config"]["drafter"]
@@ -60,9 +61,27 @@ def test_dspark_confidence_policy_is_tuned_and_read_back(dspark_ckpt, tiny_featu
                     "--max_new_tokens", "12", "--thresholds", "[0.0,0.99]", "--dtype", "float32", "--cost_profile", str(steep))
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     section = json.loads((tmp_path / "d" / "config.json").read_text())["stop_heads"]["dspark"]["tuned"]["greedy"]
-    by_threshold = {p["threshold"]: p["modelled_speedup"] for p in section["grid"]}
-    assert section["threshold"] == 0.99 and by_threshold[0.99] > by_threshold[0.0]
-    assert section["cost_profile"]["source"] == "a test" and section["modelled_speedup"] == by_threshold[0.99]
+    by_point = {(p["threshold"], p["k"]): p["modelled_speedup"] for p in section["grid"]}
+    assert section["threshold"] == 0.99 and by_point[0.99, 8] > by_point[0.0, 8]
+    assert section["cost_profile"]["source"] == "a test" and section["modelled_speedup"] == max(by_point.values())
+    # where drafting and verifying are free, nothing beats drafting every round in full: among thresholds that stop
+    # early, the never-stopping threshold at the best length (the static fallback tune adds) is what is filed, for
+    # each profile named, the first one's also as the plain setting eval decodes with
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"machine": "by hand", "source": "flat", "verify": [[1, 1.0], [64, 1.0]],
+                                "draft": {"dspark": 0.0}}))
+    tuned = run_cli("tune", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "d"),
+                    "--policy", "dspark", "--data", str(tiny_features / "chats.json"), "--limit", "2", "--repeats", "1",
+                    "--max_new_tokens", "12", "--thresholds", "[0.5,0.99]", "--dtype", "float32",
+                    "--cost_profile", f"{flat},{steep}")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    every = json.loads((tmp_path / "d" / "config.json").read_text())["stop_heads"]["dspark"]["tuned"]
+    by_flat, by_steep = every[f"greedy@{flat}"], every[f"greedy@{steep}"]
+    assert by_flat["static"] and by_flat["threshold"] == 0.0 and every["greedy"] == by_flat
+    assert by_flat["modelled_speedup"] == max(p["modelled_speedup"] for p in by_flat["grid"])
+    assert {(p["threshold"], p["k"]) for p in by_flat["grid"]} == {(0.5, 8), (0.99, 8)} | {(0.0, k) for k in range(1, 9)}
+    assert by_steep["cost_profile"]["source"] == "a test" and not by_steep["static"]
+    assert by_steep["modelled_speedup"] == max(p["modelled_speedup"] for p in by_steep["grid"])
 
 
 def test_block_drafters_decode_trees_and_refuse_what_they_cannot_do(dflash_ckpt, tiny_features, tmp_path):

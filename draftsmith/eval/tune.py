@@ -12,10 +12,14 @@
   accepts the greedy token), the threshold minimizing FPR + 3·FNR on the ROC curve, written where
   `eval --policy confidence` reads it when no --threshold is given. No decoding.
 - dspark: DSpark's bound on Π c_i, decoded as specdec's and disco's thresholds are.
-- With --cost_profile NAME the grid is decoded as above, and the setting chosen is the fastest by the speedup
-  modelled under that cost profile (`eval/profile.py`: the rounds counted, priced by the profile) rather than
-  by tokens/s timed here: the threshold for the machine the drafter will serve on. The profile is filed
-  with the choice.
+- The grid holds, beside the thresholds, the policy's never-stopping threshold at every length up to its
+  most (`PolicyKind.static_at`): static draft lengths, so what is chosen never loses to the best static
+  length on the tuning prompts; where the costs leave nothing to adapt, that length is what is filed.
+- With --cost_profile NAME[,NAME...] the grid is decoded as above, and the setting chosen is the fastest by
+  the speedup modelled under each profile (`eval/profile.py`: the rounds counted, priced by the profile)
+  rather than by tokens/s timed here: the threshold for the machine the drafter will serve on. Each
+  profile's choice is filed under `greedy@NAME` (and so on), with the profile; the first profile's is also
+  the plain `greedy` that eval decodes with.
 
 Which policy is tuned which way is its registry entry's `tune` (`runtime.policies.POLICY_KINDS`).
 """
@@ -57,8 +61,9 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
         temperature: 0 tunes greedy decoding (written as `greedy`); > 0 sampling (written as `sampling`),
             with top_k / top_p.
         repeats: timed passes per setting (median); the settings alternate within a pass.
-        cost_profile: choose by the speedup modelled under this cost profile (a shipped one such as
-            h100-llama8b, a profile file, or measured: this machine's, timed) in place of tokens/s timed here.
+        cost_profile: choose by the speedup modelled under these cost profiles (comma-separated: a shipped
+            one such as h100-llama8b, a profile file, or measured: this machine's, timed) in place of tokens/s
+            timed here, one choice per profile; the first's is the one eval decodes with.
     """
 
     drafter: str
@@ -94,8 +99,8 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
         if self.cost_profile is not None:
             from draftsmith.eval.profile import profile_names
 
-            if by_labels or len(profile_names(self.cost_profile)) != 1:
-                raise DraftsmithError("--cost_profile: one profile, for a policy tuned by decoding")
+            if by_labels or not profile_names(self.cost_profile):
+                raise DraftsmithError("--cost_profile: profiles for a policy tuned by decoding")
         if self.tree is not None:
             from draftsmith.runtime.policies import check_tree_policy
 
@@ -118,9 +123,13 @@ class TuneConfig(TargetOptions, SamplingOptions, DraftOptions):
         kind = self.kind()
         thresholds = self.thresholds or list(kind.grid)
         if self.tree is not None:  # a tree round drafts at most its depth
-            return [(t, self.tree_shape().depth) for t in thresholds]
-        ks = self.ks or list(kind.ks)
-        return [(t, k) for k in ks for t in thresholds]
+            ks = [self.tree_shape().depth]
+            points = [(t, ks[0]) for t in thresholds]
+        else:
+            ks = self.ks or list(kind.ks)
+            points = [(t, k) for k in ks for t in thresholds]
+        static = [(kind.static_at, k) for k in range(1, max(ks) + 1)] if kind.static_at is not None else []
+        return points + [p for p in static if p not in points]
 
 
 def roc_threshold(scores: Any, accepted: Any, fnr_cost: float = ROC_FNR_COST) -> tuple[float, dict[str, float]]:
@@ -160,6 +169,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from draftsmith.eval.acceptance import acceptance_stats, decode_all
+    from draftsmith.eval.profile import profile_names
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.loading import tuned_key, update_stop_heads
     from draftsmith.runtime.loading import export_kind, load_proposer, load_stop_head
@@ -205,34 +215,47 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
                 decoded[point] += results
                 progress.advance(task)
     speed = {p: statistics.median(v) for p, v in rates.items()}
-    modelled = modelled_by_point(cfg, runner, decoded, export_kind(cfg.drafter)) if cfg.cost_profile else {}
-    best = max(grid, key=lambda p: modelled[p]["speedup"] if modelled else speed[p])
     mode = tuned_key(cfg.temperature == 0, tree is not None)
-    chosen = {"threshold": best[0], "k": best[1], "tokens_per_second": round(speed[best], 2),
-              **({"tree": cfg.tree} if tree is not None else {}),
-              **({"cost_profile": modelled[best]["profile"], "modelled_speedup": round(modelled[best]["speedup"], 3)}
-                 if modelled else {}),
-              "grid": [{"threshold": t, "k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3),
-                        **({"modelled_speedup": round(modelled[t, k]["speedup"], 3)} if modelled else {})}
-                       for t, k in grid],
-              "prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
-                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature, "dtype": target.dtype_name,
-              "threads": torch.get_num_threads()}
-    section.setdefault("tuned", {})[mode] = chosen
+    common = {"prompts": {"set": "heldout", "data": cfg.data, "count": len(ids), "ids": [p["id"] for p in prompts],
+                          "max_new_tokens": cfg.max_new_tokens}, "temperature": cfg.temperature,
+              "dtype": target.dtype_name, "threads": torch.get_num_threads(), **({"tree": cfg.tree} if tree is not None else {})}
+
+    def chosen(modelled: dict[tuple[float, int], dict[str, Any]]) -> dict[str, Any]:
+        best = max(grid, key=lambda p: (modelled[p]["speedup"] if modelled else speed[p], -p[1]))  # ties: shorter
+        return {"threshold": best[0], "k": best[1], "tokens_per_second": round(speed[best], 2),
+                "static": best[0] == cfg.kind().static_at,
+                **({"cost_profile": modelled[best]["profile"], "modelled_speedup": round(modelled[best]["speedup"], 3)}
+                   if modelled else {}),
+                "grid": [{"threshold": t, "k": k, "tokens_per_second": round(speed[t, k], 2), "tau": round(taus[t, k], 3),
+                          **({"modelled_speedup": round(modelled[t, k]["speedup"], 3)} if modelled else {})}
+                         for t, k in grid], **common}
+
+    tuned = section.setdefault("tuned", {})
+    if cfg.cost_profile:
+        names = profile_names(cfg.cost_profile)
+        by_profile = modelled_by_point(names, runner, decoded, export_kind(cfg.drafter))
+        for name in names:
+            tuned[f"{mode}@{name}"] = chosen(by_profile[name])
+        tuned[mode] = tuned[f"{mode}@{names[0]}"]
+    else:
+        tuned[mode] = chosen({})
     update_stop_heads(cfg.drafter, cfg.policy, section)
-    return chosen
+    return tuned[mode]
 
 
-def modelled_by_point(cfg: TuneConfig, runner: Any, decoded: dict[tuple[float, int], list[Any]],
-                      kind: str | None) -> dict[tuple[float, int], dict[str, Any]]:
-    """Each grid point's speedup modelled under --cost_profile (`eval/profile.modelled_speedup`); a measured
+def modelled_by_point(names: list[str], runner: Any, decoded: dict[tuple[float, int], list[Any]],
+                      kind: str | None) -> dict[str, dict[tuple[float, int], dict[str, Any]]]:
+    """Profile → each grid point's speedup modelled under it (`eval/profile.modelled_speedup`); a measured
     profile is timed once, on every point's rounds together."""
     from draftsmith.eval.machine import cpu_name
     from draftsmith.eval.profile import modelled_speedup, profile_for
 
-    name = cfg.cost_profile.strip()
-    profile = profile_for(name, runner, [g for gens in decoded.values() for g in gens], kind, cpu_name())
-    try:
-        return {p: {**modelled_speedup(profile, gens, kind), "profile": profile.as_dict()} for p, gens in decoded.items()}
-    except DraftsmithError as e:
-        raise DraftsmithError(f"--cost_profile {name}: {e}") from None
+    out = {}
+    for name in names:
+        profile = profile_for(name, runner, [g for gens in decoded.values() for g in gens], kind, cpu_name())
+        try:
+            out[name] = {p: {**modelled_speedup(profile, gens, kind), "profile": profile.as_dict()}
+                         for p, gens in decoded.items()}
+        except DraftsmithError as e:
+            raise DraftsmithError(f"--cost_profile {name}: {e}") from None
+    return out

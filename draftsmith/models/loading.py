@@ -86,12 +86,15 @@ def tuned_key(greedy: bool, tree: bool) -> str:
     return ("tree_" if tree else "") + ("greedy" if greedy else "sampling")
 
 
-def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False) -> tuple[float, int] | None:
+def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False,
+                   profile: str | None = None) -> tuple[float, int] | None:
     """(threshold, k) `draftsmith tune` wrote into a stop-head section for greedy decoding or sampling
     (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
-    tuned for tree rounds (`tune --tree`), else the chains'."""
+    tuned for tree rounds (`tune --tree`), else the chains'. `profile`: the settings chosen for that cost
+    profile (`tune --cost_profile`, filed as `greedy@NAME`), None where it was never tuned for it."""
     tuned = section.get("tuned", {})
-    keys = [tuned_key(g, t) for t in ((True, False) if tree else (False,)) for g in (greedy, not greedy)]
+    at = f"@{profile}" if profile else ""
+    keys = [tuned_key(g, t) + at for t in ((True, False) if tree else (False,)) for g in (greedy, not greedy)]
     chosen = next((tuned[k] for k in keys if k in tuned), None)
     # exports tuned before the draft length was called k everywhere name it max_k
     return None if chosen is None else (chosen["threshold"], chosen.get("k", chosen.get("max_k")))

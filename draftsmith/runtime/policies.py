@@ -260,6 +260,10 @@ class PolicyKind:
         tune: how `draftsmith tune` chooses its settings: "decode" (decoding held-out prompts over `grid` ×
             `ks`, the fastest kept) or "labels" (transformers' ROC rule on labelled drafts); None: not tuned.
         grid, ks: the thresholds and most lengths `draftsmith tune` tries ("decode").
+        static_at: the threshold at which it never stops early: every round drafts its k, a static draft
+            length. `draftsmith tune` tries it at every k up to the grid's most, so what it files never
+            loses to the best static length on the prompts it tunes on (the fallback where the costs leave
+            nothing to adapt).
         references: it reads each prompt's greedy continuation by the target, and the drafter's greedy chains,
             computed before decoding (the oracle): so it decodes greedily only.
         trees: what it does with --tree: "sized" (it sizes each tree round itself: depth, nodes, lookup
@@ -276,6 +280,7 @@ class PolicyKind:
     tune: str | None = None
     grid: tuple[float, ...] = ()
     ks: tuple[int, ...] = ()
+    static_at: float | None = None
     references: bool = False
     trees: Literal["sized", "whole", "depth"] | None = None
 
@@ -308,9 +313,9 @@ def _stop(policy: type) -> Callable[[PolicySettings], Callable[[list[int]], Poli
     return lambda s: (lambda prompt: policy(head=s.head, threshold=s.threshold, k=s.k))
 
 
-def _head_policy(head: HeadKind, policy: type) -> PolicyKind:
+def _head_policy(head: HeadKind, policy: type, static_at: float) -> PolicyKind:
     return PolicyKind(head.name, head.title, _stop(policy), head="stop", tuned=True, tune="decode", grid=head.grid,
-                      ks=head.ks, trees="depth")
+                      ks=head.ks, static_at=static_at, trees="depth")
 
 
 CONFIDENCE_GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # DSpark's bounds on Π c_i tried by tune
@@ -322,10 +327,10 @@ POLICY_KINDS: dict[str, PolicyKind] = {k.name: k for k in (
     PolicyKind("confidence", "the confidence rule", lambda s: (lambda prompt: Confidence(threshold=s.threshold, k=s.k)),
                tuned=True, tune="labels"),
     PolicyKind("oracle", "the oracle draft length", _oracle, references=True),
-    _head_policy(SPECDEC, AcceptanceStop),
-    _head_policy(DISCO, ClassifierStop),
+    _head_policy(SPECDEC, AcceptanceStop, static_at=1.0),  # 1 − Π a_i never exceeds 1
+    _head_policy(DISCO, ClassifierStop, static_at=0.0),  # a confidence is never below 0
     PolicyKind(DSPARK.name, "DSpark's confidence head", _stop(BlockConfidence), head="drafter", tuned=True,
-               tune="decode", grid=CONFIDENCE_GRID, ks=(8,)),
+               tune="decode", grid=CONFIDENCE_GRID, ks=(8,), static_at=0.0),
 )}
 
 

@@ -156,6 +156,42 @@ def test_a_stop_head_on_a_tree_may_draft_as_deep_as_the_tree():
     assert stop_settings(EvalConfig(target="", policy="specdec", stop_threshold=0.7, k=3), {}) == (0.7, 3)
     assert stop_settings(EvalConfig(target="", policy="specdec", stop_threshold=0.7, k=3, tree="5,4,12"), {}) == (0.7, 5)
     assert stop_settings(EvalConfig(target="", policy="disco", k=3, tree="6,4,12"), {})[1] == 6
+    # a tuned shallower depth (tune found a fixed tree of that depth fastest) is kept; a chain's 8 is bounded
+    tuned = {"tuned": {"tree_greedy": {"threshold": 0.0, "k": 2}, "greedy": {"threshold": 0.3, "k": 8}}}
+    assert stop_settings(EvalConfig(target="", policy="disco", tree="6,4,12", temperature=0), tuned) == (0.0, 2)
+    assert stop_settings(EvalConfig(target="", policy="disco", k=3, temperature=0), tuned) == (0.3, 8)
+    del tuned["tuned"]["tree_greedy"]
+    assert stop_settings(EvalConfig(target="", policy="disco", tree="6,4,12", temperature=0), tuned) == (0.3, 6)
+
+
+def test_each_tuned_policy_drafts_a_static_length_at_its_never_stopping_threshold():
+    """`static_at` is what `tune` adds to its grid as the static fallback: at it, a policy drafts its k
+    whatever its head says, and tune tries it at every k up to the grid's most."""
+    from draftsmith.eval.tune import TuneConfig
+    from draftsmith.runtime.policies import POLICY_KINDS, PolicySettings
+
+    class Doubtful:  # a head sure that every token will be rejected
+        def acceptance(self, *args):
+            return 0.0
+
+        def confidence(self, *args):
+            return 0.0
+
+    decoded = [k for k in POLICY_KINDS.values() if k.tune == "decode"]
+    assert {k.name for k in decoded} == {"specdec", "disco", "dspark"} and all(k.static_at is not None for k in decoded)
+    q = torch.full((V,), 1.0 / V)
+    for kind in decoded:
+        for k in (1, 3):
+            policy = kind.build(PolicySettings(k=k, threshold=kind.static_at, head=Doubtful()))([])
+            steps = [DraftStep(position=i, token=None if i == 0 else 1, q_raw=q, hidden=torch.zeros(4), confidence=0.0)
+                     for i in range(k + 1)]
+            assert [policy.keep_going(step) for step in steps] == [True] * k + [False], (kind.name, k)
+        stopping = kind.build(PolicySettings(k=3, threshold=0.5, head=Doubtful()))([])
+        assert not all(stopping.keep_going(step) for step in steps[:3]), kind.name  # the same head stops at 0.5
+        grid = TuneConfig(target="", drafter="d", policy=kind.name, ks=[2, 4]).grid()
+        assert [(t, k) for t, k in grid if t == kind.static_at] == [(kind.static_at, k) for k in range(1, 5)]
+    tree = TuneConfig(target="", drafter="d", policy="specdec", thresholds=[0.5], tree="3,2,6").grid()
+    assert tree == [(0.5, 3), (1.0, 1), (1.0, 2), (1.0, 3)]
 
 
 def test_policies_read_the_hidden_state_that_drafted_each_token(target):
