@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     from rich.progress import track
 
-    from draftsmith.eval.evaluate import reference_chats
+    from draftsmith.eval.quality import reference_chats
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.quality import reference_quality, reference_rows
     from draftsmith.runtime.loading import load_proposer

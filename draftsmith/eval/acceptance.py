@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import torch
 
+from draftsmith.eval.breakdown import by_position, round_acceptance
 from draftsmith.runtime.generate import GenerationResult, TargetRule, generate
 from draftsmith.runtime.runner import TargetRunner
 from draftsmith.runtime.steps import Policy
@@ -25,27 +25,15 @@ from draftsmith.runtime.sampling import SamplingConfig, seeded
 
 def acceptance_stats(results: list[GenerationResult]) -> dict[str, Any]:
     rounds = [r for res in results for r in res.rounds]
+    stats = round_acceptance(rounds)
     if not rounds:
-        return {"rounds": 0, "tau": 1.0, "mean_accepted": 0.0, "alpha": [], "histogram": {}}
-    depth = max(r.depth for r in rounds)
-    reached, accepted_at = [0] * depth, [0] * depth
-    for r in rounds:  # a tree's position j is its depth j+1: judged when the path reached depth j
-        for j in range(min(r.depth, r.accepted + 1)):  # position j is judged when all before it passed
-            reached[j] += 1
-            accepted_at[j] += j < r.accepted
+        return stats
     tokens = sum(len(res.tokens) for res in results)
-    drafted = sum(r.drafted for r in rounds)
-    accepted = sum(r.accepted for r in rounds)
     return {
-        "rounds": len(rounds),
-        "tau": statistics.fmean(r.accepted + 1 for r in rounds),
-        "mean_accepted": statistics.fmean(r.accepted for r in rounds),
-        "alpha": [a / n if n else None for a, n in zip(accepted_at, reached)],
-        "histogram": {str(k): v for k, v in sorted(Counter(r.accepted for r in rounds).items())},
+        **stats,
         "tokens": tokens,
         "target_forwards_per_token": sum(res.target_forwards for res in results) / max(tokens, 1),
-        "drafted": drafted,
-        "drafted_rejected": drafted - accepted,
+        "drafted_rejected": stats["drafted"] - stats["accepted"],
         "drafter_forwards": sum(r.drafter_forwards for r in rounds),
         "mean_tree_size": statistics.fmean(r.drafted for r in rounds),
     }
@@ -78,16 +66,19 @@ def draft_vocab_coverage(results: list[GenerationResult], draftable: torch.Tenso
     return float(torch.isin(tokens, draftable.cpu()).float().mean())
 
 
-def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
-            make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig, eos: tuple[int, ...], repeats: int = 3,
-            seed: int = 0, progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None,
+def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], groups: dict[str, list[str]],
+            max_new_tokens: int, make_policy: Callable[[list[int]], Policy], sampling: SamplingConfig,
+            eos: tuple[int, ...], repeats: int = 3, seed: int = 0,
+            progress: Callable[[str], Callable[[], None]] | None = None, tree: Any = None,
             rule: TargetRule | None = None,
             model: Callable[[list[GenerationResult], list[GenerationResult]], dict[str, Any]] | None = None
             ) -> dict[str, Any]:
     """Both arms over the same prompts, alternating, `repeats` times after a warm-up; `rule` (a lossy or
-    cascade target) applies to the drafting arm only: the other is the target alone. `model`: the drafting
-    arm's generations and the target alone's → its modelled speedups (`eval/profile.modelled_speedups`),
-    filed as `modelled`."""
+    cascade target) applies to the drafting arm only: the other is the target alone. `groups`: breakdown
+    name (category, set, turn) → each prompt's label, reported as `per_<name>` (τ, α_j, speed of each
+    label's prompts); `per_position` breaks the rounds down by the context length they drafted at.
+    `model`: the drafting arm's generations and the target alone's → its modelled speedups
+    (`eval/profile.modelled_speedups`), filed as `modelled`."""
     baseline = NoProposer(runner.head.weight.shape[0])
     arms = {"autoregressive": baseline, "method": proposer}
     trees = {"autoregressive": None, "method": tree}  # the baseline drafts nothing
@@ -107,26 +98,32 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
     for name, reps in runs.items():
         rates = [sum(len(x.tokens) for x in rep) / sum(x.seconds for x in rep) for rep in reps]
         speed[name] = {"tokens_per_second": statistics.median(rates), "spread": [min(rates), max(rates)]}
-    per_category: dict[str, dict[str, Any]] = defaultdict(dict)
-    for cat in sorted(set(categories)):
-        idx = [i for i, c in enumerate(categories) if c == cat]
-        rate = {name: statistics.median(sum(len(rep[i].tokens) for i in idx) / sum(rep[i].seconds for i in idx)
-                                        for rep in reps) for name, reps in runs.items()}
-        stats = acceptance_stats([rep[i] for rep in runs["method"] for i in idx])
-        per_category[cat] = {"tau": stats["tau"], "mean_accepted": stats["mean_accepted"],
-                             "tokens_per_second": rate["method"], "autoregressive_tokens_per_second": rate["autoregressive"],
-                             "speedup": rate["method"] / rate["autoregressive"], "prompts": len(idx)}
+    breakdowns = {}
+    for group, labels in groups.items():
+        breakdowns[f"per_{group}"] = per = {}
+        for label in dict.fromkeys(labels):
+            idx = [i for i, c in enumerate(labels) if c == label]
+            rate = {name: statistics.median(sum(len(rep[i].tokens) for i in idx) / sum(rep[i].seconds for i in idx)
+                                            for rep in reps) for name, reps in runs.items()}
+            stats = acceptance_stats([rep[i] for rep in runs["method"] for i in idx])
+            per[label] = {**{k: stats[k] for k in ("tau", "mean_accepted", "alpha", "rounds")},
+                          "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0),
+                          "tokens_per_second": rate["method"],
+                          "autoregressive_tokens_per_second": rate["autoregressive"],
+                          "speedup": rate["method"] / rate["autoregressive"], "prompts": len(idx)}
     method_results = [x for rep in runs["method"] for x in rep]
     return {
         "acceptance": {**acceptance_stats(method_results),
                        "draft_vocab_coverage": draft_vocab_coverage(runs["method"][0], proposer.draftable)},
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
                   "repeats": repeats, "warmup_seconds": warmup},
-        "per_category": dict(per_category),
+        **breakdowns,
+        "per_position": by_position(method_results),
         "modelled": model(method_results, [x for rep in runs["autoregressive"] for x in rep]) if model else {},
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),
-        "samples": [{"category": c, "tokens": x.tokens} for c, x in zip(categories, runs["method"][0][:3])],
+        "samples": [{"category": c, "tokens": x.tokens}
+                    for c, x in zip(groups.get("category", [""] * len(prompts)), runs["method"][0][:3])],
         "outputs": {name: [x.tokens for x in reps[0]] for name, reps in runs.items()},  # the first repeat's text
     }
 

@@ -17,9 +17,10 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
     `draftsmith eval` and `draftsmith run`.
 
     Args:
-        prompts: mtbench, humaneval, or heldout (the validation split of the training chats).
-        limit: number of prompts (spread over categories).
-        turns: first, or both (MT-bench's second turn after the target's own first answer).
+        prompts: the prompt sets, comma-separated: mtbench, humaneval, heldout (the validation split of the
+            training chats), long (those chats concatenated to 2k, 4k and the target's window, then a question).
+        limit: number of prompts of each set (spread over its categories).
+        turns: first, or both (MT-bench's second turns too, each after the target's own first answer).
         policy: draft length: cost (draft a token only while it is expected to pay for its measured
             cost), static, heuristic, confidence, specdec or disco (the stop heads the drafter's export
             carries), or oracle (a greedy bound: drafts exactly the tokens the target will accept).
@@ -88,6 +89,9 @@ class DecodeOptions(SamplingOptions, DraftOptions, DeviceOptions):
             raise DraftsmithError(f"--head_vocab must be >= 0 (0: the full head), got {self.head_vocab}")
         if self.turns not in ("first", "both"):
             raise DraftsmithError(f"--turns must be first or both, got {self.turns!r}")
+        from draftsmith.eval.prompts import prompt_sets
+
+        prompt_sets(self.prompts)
         if self.tree in ("", "none", "chain"):
             self.tree = None
         from draftsmith.runtime.policies import check_tree_policy, policy_kind
@@ -199,8 +203,8 @@ def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float | 
     """(threshold, k) of the policy: the command's threshold (--threshold for the confidence rule,
     --stop_threshold for a head's) with --k, else what `draftsmith tune` wrote into the export's `section`
     for this kind of decoding (greedy or sampling; with --tree, tuned on trees where it was, else on chains),
-    else the policy's default. With --tree a head's most is the tree's depth: the shape bounds a tree round,
-    as it does for cost."""
+    else the policy's default. With --tree a head's most is the tree's depth (the shape bounds a tree round,
+    as it does for cost), or the shallower depth tune filed (a fixed tree of that depth was fastest)."""
     from draftsmith.models.loading import tuned_settings
     from draftsmith.runtime.policies import policy_kind
 
@@ -208,7 +212,10 @@ def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float | 
     given, default = (cfg.stop_threshold, DEFAULT_STOP_THRESHOLD) if kind.head else (cfg.threshold, DEFAULT_THRESHOLD)
     tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned else None
     threshold, k = (given, cfg.k) if given is not None else (tuned[0], tuned[1] or cfg.k) if tuned else (default, cfg.k)
-    return threshold, cfg.tree_shape().depth if cfg.tree is not None and kind.head else k
+    if cfg.tree is not None and kind.head:
+        depth = cfg.tree_shape().depth
+        k = min(tuned[1], depth) if given is None and tuned and tuned[1] else depth
+    return threshold, k
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
@@ -223,8 +230,9 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.eval.acceptance import measure
     from draftsmith.eval.machine import OTHERS_LIMIT, CpuShare, cpu_name, load_average
     from draftsmith.eval.profile import modelled_speedups, profile_names
-    from draftsmith.eval.prompts import load_prompts
-    from draftsmith.eval.quality import reference_quality, reference_rows
+    from draftsmith.eval.oracle import oracle_references
+    from draftsmith.eval.prompts import conversations, load_prompts, prompt_sets
+    from draftsmith.eval.quality import reference_chats, reference_quality, reference_rows
     from draftsmith.runtime.loading import export_kind, load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
@@ -254,27 +262,31 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     eos = target.eos_token_ids
     encode = target.encode_chat
     fits = (lambda p: len(encode([{"role": "user", "content": p["turns"][0]}])) <= cfg.max_prompt_length)
-    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit,
-                           fits if cfg.max_prompt_length else None)
-    if not prompts:
-        held = len(load_prompts(cfg.prompts, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit))
-        if not held:
-            raise DraftsmithError(f"no {cfg.prompts} prompt: the validation split of {cfg.data} (--val_fraction "
-                                  f"{cfg.val_fraction}, --data_limit {cfg.data_limit}) holds no chat; give more chats "
-                                  "or a larger validation share")
-        raise DraftsmithError(f"none of the {held} {cfg.prompts} prompts is at most --max_prompt_length "
-                              f"{cfg.max_prompt_length} tokens long: give a larger --max_prompt_length")
+    window = getattr(target.model.config, "max_position_embeddings", None) or 4096
+    prompts = []
+    for name in prompt_sets(cfg.prompts):
+        found = load_prompts(name, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit,
+                             fits if cfg.max_prompt_length else None, encode, window)
+        if not found:
+            held = len(load_prompts(name, cfg.limit, cfg.turns, cfg.data, cfg.val_fraction, cfg.data_limit, None,
+                                    encode, window))
+            if not held:
+                raise DraftsmithError(f"no {name} prompt: the validation split of {cfg.data} (--val_fraction "
+                                      f"{cfg.val_fraction}, --data_limit {cfg.data_limit}) holds no chat; give more chats "
+                                      "or a larger validation share")
+            raise DraftsmithError(f"none of the {held} {name} prompts is at most --max_prompt_length "
+                                  f"{cfg.max_prompt_length} tokens long: give a larger --max_prompt_length")
+        prompts += found
 
-    conversations = [[{"role": "user", "content": p["turns"][0]}] for p in prompts]
-    if cfg.turns == "both":  # the second turn follows the target's own (greedy) first answer
-        for conv, p in zip(conversations, prompts):
-            if len(p["turns"]) > 1:
-                first = generate(runner, NoProposer(target.vocab_size), encode(conv), cfg.max_new_tokens,
-                                 Static(0), SamplingConfig(), eos_token_ids=eos)
-                conv += [{"role": "assistant", "content": tok.decode(first.tokens, skip_special_tokens=True)},
-                         {"role": "user", "content": p["turns"][1]}]
-    ids = [encode(c) for c in conversations]
-    categories = [p["category"] for p in prompts]
+    def answer(conversation: list[dict[str, str]]) -> str:  # the target's own (greedy) answer to a first turn
+        first = generate(runner, NoProposer(target.vocab_size), encode(conversation), cfg.max_new_tokens, Static(0),
+                         SamplingConfig(), eos_token_ids=eos)
+        return tok.decode(first.tokens, skip_special_tokens=True)
+
+    prompts, chats = conversations(prompts, cfg.turns, answer)
+    ids = [encode(c) for c in chats]
+    groups = {"set": [p["set"] for p in prompts], "category": [p["category"] for p in prompts],
+              "turn": [p["turn"] for p in prompts]}
     policy = policy_kind(cfg.policy)
     if cfg.tree is not None:
         check_tree_policy(policy, levels_asked(proposer))
@@ -289,7 +301,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         description += f", {policy.name} {'stop head' if policy.head else 'policy'} (threshold {threshold:g}, at most {k})"
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
-    chats = reference_chats(tok, prompts) if cfg.prompts == "heldout" and cfg.mode != "exact" else []
+    chats = reference_chats(tok, [p for p in prompts if p["set"] == "heldout" and p["turn"] == "1"]) \
+        if cfg.mode != "exact" else []
     load_before = load_average()
     with CpuShare() as share, Bars(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
@@ -302,7 +315,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         points = []
         for alpha, rule in rules:
             prefix = f"alpha {alpha:g} " if cfg.sweep else ""
-            points.append(measure(runner, proposer, ids, categories, cfg.max_new_tokens, new_policy, sampling, eos,
+            points.append(measure(runner, proposer, ids, groups, cfg.max_new_tokens, new_policy, sampling, eos,
                                   cfg.repeats, cfg.seed, lambda label: tick_factory(prefix + label),
                                   tree=cfg.tree_shape(), rule=rule, model=model))
         rows = reference_rows(runner, proposer, chats, tick_factory("reference answers")) if chats else None
@@ -337,39 +350,6 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     return results
 
 
-def oracle_references(runner: Any, proposer: Any, ids: list[list[int]], max_new_tokens: int, k: int,
-                      eos: tuple[int, ...]) -> dict[tuple[int, ...], tuple[list[int], dict[int, list[int]]]]:
-    """What the oracle knows of every prompt in advance: the target's greedy text and the drafter's greedy
-    chain after each of its prefixes."""
-    from draftsmith.runtime.generate import generate
-    from draftsmith.runtime.policies import Static
-    from draftsmith.eval.oracle import oracle_drafts
-    from draftsmith.runtime.proposers import NoProposer
-    from draftsmith.runtime.sampling import SamplingConfig
-
-    out = {}
-    for x in ids:
-        reference = x + generate(runner, NoProposer(runner.head.weight.shape[0]), x, max_new_tokens, Static(0),
-                                 SamplingConfig(), eos_token_ids=eos).tokens
-        out[tuple(x)] = (reference, oracle_drafts(runner, proposer, reference, len(x), k))
-    return out
-
-
-def reference_chats(tokenizer: Any, prompts: list[dict[str, Any]], max_length: int = 1024) -> list[tuple[list[int], list[int]]]:
-    """(ids, assistant mask) of each held-out prompt with its reference answer, for the teacher-forced loss."""
-    from draftsmith.data.chat import tokenize_chat
-    from draftsmith.data.conversations import Conversation
-
-    chats = []
-    for p in prompts:
-        if p.get("reference"):
-            messages = [{"role": "user", "content": p["turns"][0]}, {"role": "assistant", "content": p["reference"]}]
-            chat, _, _ = tokenize_chat(tokenizer, Conversation(p["id"], messages), max_length)
-            if chat is not None:
-                chats.append((chat.input_ids, chat.loss_mask))
-    return chats
-
-
 def text_quality(cfg: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any,
                  outputs: dict[str, list[list[int]]], scores: dict | None = None) -> dict[str, Any]:
     """Quality of the generated text, the method's and the target alone's (the same process, first repeat):
@@ -386,15 +366,16 @@ def text_quality(cfg: EvalConfig, prompts: list[dict[str, Any]], tokenizer: Any,
 
     texts = {arm: [tokenizer.decode(t, skip_special_tokens=True) for t in toks] for arm, toks in outputs.items()}
     out: dict[str, Any] = {}
-    with_reference = [i for i, p in enumerate(prompts) if p.get("reference")]
-    if cfg.prompts == "heldout" and with_reference:
+    with_reference = [i for i, p in enumerate(prompts) if p.get("reference") and p.get("turn", "1") == "1"]
+    if with_reference:
         refs = [prompts[i]["reference"] for i in with_reference]
         out["rouge_l"] = {arm: scored("rouge_l", lambda x: rouge_l(x, refs), [t[i] for i in with_reference])
                           for arm, t in texts.items()}
-    if cfg.prompts == "humaneval":
-        task_ids = [p["id"] for p in prompts]
-        out["humaneval_pass_at_1"] = {arm: scored("pass_at_1", lambda x: humaneval_pass_at_1(task_ids, x), t)
-                                      for arm, t in texts.items()}
+    code = [i for i, p in enumerate(prompts) if p.get("set", cfg.prompts) == "humaneval"]
+    if code:
+        task_ids = [prompts[i]["id"] for i in code]
+        out["humaneval_pass_at_1"] = {arm: scored("pass_at_1", lambda x: humaneval_pass_at_1(task_ids, x),
+                                                  [t[i] for i in code]) for arm, t in texts.items()}
     if cfg.temperature == 0:
         out["agreement"] = agreement(outputs["method"], outputs["autoregressive"])
     return out

@@ -26,3 +26,20 @@ def oracle_drafts(runner: Any, proposer: Any, reference: list[int], start: int, 
 
     proposer.chains(reference, anchors, k, pick, final, aux)
     return dict(zip(anchors, torch.stack(chosen, 1).tolist()))
+
+
+def oracle_references(runner: Any, proposer: Any, ids: list[list[int]], max_new_tokens: int, k: int,
+                      eos: tuple[int, ...]) -> dict[tuple[int, ...], tuple[list[int], dict[int, list[int]]]]:
+    """What the oracle knows of every prompt in advance: the target's greedy text and the drafter's greedy
+    chain after each of its prefixes."""
+    from draftsmith.runtime.generate import generate
+    from draftsmith.runtime.policies import Static
+    from draftsmith.runtime.proposers import NoProposer
+    from draftsmith.runtime.sampling import SamplingConfig
+
+    out = {}
+    for x in ids:
+        reference = x + generate(runner, NoProposer(runner.head.weight.shape[0]), x, max_new_tokens, Static(0),
+                                 SamplingConfig(), eos_token_ids=eos).tokens
+        out[tuple(x)] = (reference, oracle_drafts(runner, proposer, reference, len(x), k))
+    return out

@@ -122,3 +122,18 @@ def agreement(outputs: list[list[int]], references: list[list[int]]) -> float:
         same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         shares.append(same / len(ref) if ref else 1.0)
     return sum(shares) / max(len(shares), 1)
+
+
+def reference_chats(tokenizer: Any, prompts: list[dict[str, Any]], max_length: int = 1024) -> list[tuple[list[int], list[int]]]:
+    """(ids, assistant mask) of each held-out prompt with its reference answer, for the teacher-forced loss."""
+    from draftsmith.data.chat import tokenize_chat
+    from draftsmith.data.conversations import Conversation
+
+    chats = []
+    for p in prompts:
+        if p.get("reference"):
+            messages = [{"role": "user", "content": p["turns"][0]}, {"role": "assistant", "content": p["reference"]}]
+            chat, _, _ = tokenize_chat(tokenizer, Conversation(p["id"], messages), max_length)
+            if chat is not None:
+                chats.append((chat.input_ids, chat.loss_mask))
+    return chats

@@ -1,4 +1,5 @@
-"""results.json, a rich table, and PNG plots (α_j by position; τ and speedup by category)."""
+"""results.json, rich tables, and PNG plots (α_j by position; τ and speedup by category; acceptance by context
+position)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,34 @@ def print_table(console: Any, results: dict[str, Any]) -> None:
     if not console.is_terminal and console.width < WIDE:
         console.width = WIDE
     console.print(table(results))
+    where = breakdown_table(results)
+    if where is not None:
+        console.print(where)
+
+
+BREAKDOWNS = {"per_set": "prompt set", "per_turn": "turn", "per_position": "context position"}
+
+
+def breakdown_table(results: dict[str, Any]) -> Any:
+    """Where τ is lost: τ, α_1 (the first drafted token's acceptance) and speedup by prompt set, turn and the
+    context position a round drafted at (`eval/breakdown.py`); None when each holds one group only."""
+    from rich.table import Table
+
+    shown = {key: results[key] for key in BREAKDOWNS if len(results.get(key, {})) > 1}
+    if not shown or "points" in results:
+        return None
+    t = Table(title="where τ is lost")
+    for col in ("by", "group", "rounds", "τ", "α_1", "speedup"):
+        t.add_column(col, justify="left" if col in ("by", "group") else "right")
+    valid = results["speed"].get("valid", True)
+    for key, groups in shown.items():
+        for label, g in groups.items():
+            first = g["alpha"][0] if g.get("alpha") and g["alpha"][0] is not None else None
+            t.add_row(BREAKDOWNS[key], label, str(g["rounds"]), f"{g['tau']:.2f}",
+                      f"{first:.2f}" if first is not None else "–",
+                      speedup_cell(g["speedup"], valid) if "speedup" in g else "–")
+    t.caption = "context position: the sequence length at which a round drafted (prompt and tokens committed before)"
+    return t
 
 
 def sweep_table(results: dict[str, Any]) -> Any:
@@ -231,6 +260,27 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     paths.append(str(out / "by_category.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    positions = results.get("per_position", {})
+    if positions:
+        labels = list(positions)
+        fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(labels), 3.2))
+        first = [g["alpha"][0] if g["alpha"] and g["alpha"][0] is not None else 0.0 for g in positions.values()]
+        ax.plot(labels, first, "o-", color="#4C72B0", label="α_1, the first drafted token")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("context position (tokens) at which the round drafted")
+        ax.set_ylabel("acceptance")
+        twin = ax.twinx()
+        twin.plot(labels, [g["tau"] for g in positions.values()], "s--", color="#55A868", label="τ")
+        twin.set_ylabel("τ (tokens a round)")
+        for label, g, y in zip(labels, positions.values(), first):
+            ax.annotate(f"{g['rounds']} rounds", (label, y), textcoords="offset points", xytext=(0, 6), fontsize=7,
+                        ha="center")
+        fig.legend(loc="lower left", fontsize=7)
+        ax.set_title("acceptance by context position")
+        fig.tight_layout()
+        paths.append(str(out / "by_context_position.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     modelled = {f"modelled:\n{name}": m["speedup"] for name, m in results.get("modelled", {}).items() if m.get("speedup")}
     if modelled:
         timed = {"timed here": results["speed"]["speedup"]} if results["speed"].get("valid", True) else {}

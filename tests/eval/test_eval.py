@@ -27,6 +27,59 @@ def test_acceptance_statistics_by_hand():
     assert stats["target_forwards_per_token"] == pytest.approx(4 / 8)
 
 
+def test_rounds_are_placed_at_the_context_position_they_drafted_at():
+    from draftsmith.eval.breakdown import by_position, position_bucket, round_positions
+
+    # a 510-token prompt, the prefill's token, then rounds committing 4, 2 and 1: drafted at 511, 515 and 517
+    rounds = [RoundStats(3, 3, 4, 3, 1, 3, 0.1), RoundStats(3, 1, 2, 3, 1, 3, 0.1), RoundStats(3, 0, 1, 3, 1, 3, 0.1)]
+    result = GenerationResult(tokens=[0] * 8, prompt_length=510, rounds=rounds)
+    assert round_positions(result) == [511, 515, 517]
+    assert [position_bucket(n) for n in (0, 511, 512, 1024, 3000, 8191, 8192, 200_000)] == \
+        ["<512", "<512", "512–1k", "1k–2k", "2k–4k", "4k–8k", "8k–16k", "≥128k"]
+    buckets = by_position([result, GenerationResult(tokens=[0] * 7, prompt_length=10, rounds=rounds[:2])])
+    assert list(buckets) == ["<512", "512–1k"] and buckets["<512"]["rounds"] == 3 and buckets["512–1k"]["rounds"] == 2
+    assert buckets["512–1k"]["tau"] == pytest.approx(1.5) and buckets["<512"]["accepted"] == 7
+
+
+def test_long_prompts_reach_their_length_in_the_template(tiny_features):
+    from draftsmith.eval.prompts import conversations, load_prompts
+    from draftsmith.models.target import encode_chat
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    encode = lambda messages: encode_chat(tok, messages)  # noqa: E731
+    prompts = load_prompts("long", data=str(tiny_features / "chats.json"), val_fraction=0.3, encode=encode, window=1024)
+    assert {p["category"] for p in prompts} == {"1k"} and len({p["history"][0]["content"] for p in prompts}) > 1
+    entries, chats = conversations(prompts, "both", answer=lambda conv: "unused")
+    lengths = [len(encode(c)) for c in chats]
+    assert all(512 < n <= 1024 - 256 for n in lengths), lengths  # deep into the window, room left for an answer
+    assert {e["turn"] for e in entries} == {"3+"} and all(c[-1]["role"] == "user" for c in chats)
+    with pytest.raises(Exception, match="needs the target"):
+        load_prompts("long")
+
+
+def test_breakdowns_partition_the_rounds(eagle3_ckpt, tiny_features, tmp_path):
+    """Several prompt sets at once, both MT-bench turns and the long set: each breakdown (set, category, turn,
+    context position) sums to the run's own rounds and accepted tokens, and the table and plot show them."""
+    result, results = export_and_eval(eagle3_ckpt, tiny_features, tmp_path, "--limit", "2", "--repeats", "1",
+                                      "--policy", "static", "--k", "2", "--prompts", "mtbench,humaneval,long",
+                                      "--turns", "both", "--data", str(tiny_features / "chats.json"),
+                                      "--val_fraction", "0.3")
+    acc = results["acceptance"]
+    assert list(results["per_set"]) == ["mtbench", "humaneval", "long"]
+    assert set(results["per_turn"]) == {"1", "2", "3+"} and results["per_set"]["mtbench"]["prompts"] == 4
+    for key in ("per_set", "per_category", "per_turn", "per_position"):
+        groups = results[key].values()
+        assert sum(g["rounds"] for g in groups) == acc["rounds"], key
+        assert sum(g["accepted"] for g in groups) == acc["accepted"], key
+    assert len(results["per_position"]) >= 2 and "humaneval_pass_at_1" in results["quality"]
+    text = " ".join(result.stdout.split())
+    assert "where τ is lost" in text and "context position" in text
+    assert (tmp_path / "eval" / "by_context_position.png").is_file()
+    bad = run_cli("eval", "--target", str(tiny_features / "target"), "--prompts", "mtbench,nope", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "give one or more of mtbench, humaneval, heldout, long" in bad.stderr
+
+
 def export_and_eval(ckpt, features, out, *args):
     """Export `ckpt` natively, run `draftsmith eval` greedy in fp32; (process result, results.json)."""
     assert run_cli("export", str(ckpt), "--format", "native", "--out", str(out / "d")).returncode == 0
