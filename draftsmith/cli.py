@@ -53,7 +53,8 @@ def data_stats(cfg: DataStatsConfig) -> None:
     if cfg.target is not None:
         from draftsmith.models.target import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
+        tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code,
+                                   chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
         skipped, truncated, audit = Counter(), Counter(), MaskAudit()
         tokenize_many(tokenizer, convs, cfg.max_length, skipped, truncated, audit)
         stats["tokenized"] = {

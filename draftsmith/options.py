@@ -7,6 +7,7 @@ Imports nothing of draftsmith's but its error: every layer may compose these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -34,11 +35,15 @@ class TargetOptions(DeviceOptions):
         chat_template: the chat template to render chats with, in place of the tokenizer's own (a base
             model has none): a .jinja file, or a template draftsmith ships: chatml, gemma, llama3. Every
             stage of one drafter must use the same (it is part of the target's identity).
+        template_kwargs: variables the chat template reads, as JSON: {"enable_thinking": false} for a
+            Qwen3-style thinking switch, {"tools": [...]} for tool schemas a template renders. Part of the
+            target's identity like the template: every stage of one drafter must give the same.
     """
 
     target: str
     trust_remote_code: bool = False
     chat_template: str | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True)

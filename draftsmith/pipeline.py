@@ -41,7 +41,8 @@ def recipe_eval_config(raw: dict[str, Any], drafter: str | None, out: str, optio
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
     decode = {f.name: getattr(options, f.name) for f in fields(DecodeOptions)}
     decode["max_prompt_length"] = options.max_prompt_length or data.get("max_length")
-    return EvalConfig(target=model["target"], chat_template=model.get("chat_template"), drafter=drafter, data=data.get("data", "sharegpt"),
+    return EvalConfig(target=model["target"], chat_template=model.get("chat_template"),
+                      template_kwargs=model.get("template_kwargs"), drafter=drafter, data=data.get("data", "sharegpt"),
                       val_fraction=data.get("val_fraction", VAL_FRACTION), data_limit=data.get("limit"), out=out, **decode)
 
 
@@ -79,8 +80,10 @@ def _check_feature_source(out: Path, chats: dict[str, Any], model: dict[str, Any
         from draftsmith.models.tokenizer import tokenizer_hash
 
         if target.get("tokenizer_hash") != tokenizer_hash(load_tokenizer(model["target"],
-                                                                         chat_template=model.get("chat_template"))):
-            diffs.append("the target's tokenizer or chat template (model.init_args.chat_template) differs")
+                                                                         chat_template=model.get("chat_template"),
+                                                                         template_kwargs=model.get("template_kwargs"))):
+            diffs.append("the target's tokenizer or chat template (model.init_args.chat_template, template_kwargs) "
+                         "differs")
     if diffs:
         raise DraftsmithError(f"{out} holds features of other chats or another target ({'; '.join(diffs)}): set "
                               f"{recipe}'s data.init_args.features_dir to a new directory, or delete {out}")
@@ -125,7 +128,8 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
             shutil.rmtree(dest)  # a killed re-extraction for other layers: it cannot resume
         console.print(f"{out} holds layers {held}; {recipe} needs {needed}: extracting layers {layer_ids} into "
                       f"{dest}, which replaces it once complete")
-    manifest = extract(ExtractConfig(target=model["target"], chat_template=model.get("chat_template"), out=str(dest),
+    manifest = extract(ExtractConfig(target=model["target"], chat_template=model.get("chat_template"),
+                                     template_kwargs=model.get("template_kwargs"), out=str(dest),
                                      layer_ids=layer_ids, **chats))
     if dest != out:
         shutil.rmtree(out)

@@ -184,12 +184,26 @@ def test_a_soft_capped_target_is_decoded_with_its_own_logits(tmp_path):
     assert (logits - expected).abs().max() < 1e-4 and expected.abs().max() <= 30.0
 
 
+def run_on_chats(root, tmp_path, prompts: str, **model) -> dict:
+    """`draftsmith run` of a two-step EAGLE-3 recipe (`model`'s settings added) on root's target and chats.json;
+    the eval's results."""
+    import yaml
+
+    path = recipe(root, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=40, **model)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=256)
+    cfg["trainer"]["max_steps"] = 2
+    path.write_text(yaml.safe_dump(cfg))
+    done = run_cli("run", str(path), "--prompts", prompts, "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
+                   "--dtype", "float32", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+
+
 def test_a_base_model_without_a_chat_template_runs_with_one_given(tmp_path):
     """A base model (Gemma-3-270M's GGUF) has no template: `data stats` says which option gives one, and a
     recipe naming one goes through extract, fit and eval with it (it is part of the target's identity, so
     every stage must render chats alike)."""
-    import yaml
-
     from tests.conftest import save_tiny_target
 
     root = tmp_path / "tiny"
@@ -205,15 +219,7 @@ def test_a_base_model_without_a_chat_template_runs_with_one_given(tmp_path):
                     "--chat_template", "chatml", "--json")
     assert stats.returncode == 0 and json.loads(stats.stdout)["tokenized"]["kept"] == 24
 
-    path = recipe(root, tmp_path, kind="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=40, chat_template="chatml")
-    cfg = yaml.safe_load(path.read_text())
-    cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=256)
-    cfg["trainer"]["max_steps"] = 2
-    path.write_text(yaml.safe_dump(cfg))
-    done = run_cli("run", str(path), "--prompts", "heldout", "--limit", "2", "--max_new_tokens", "8", "--repeats", "1",
-                   "--dtype", "float32", timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    results = run_on_chats(root, tmp_path, "heldout", chat_template="chatml")
     assert results["identical_outputs"] is True and results["acceptance"]["rounds"] > 0
     # without the template the target is another one: the export is refused, naming the part that differs
     other = run_cli("eval", "--target", str(target), "--drafter", str(tmp_path / "run" / "export-native"),
@@ -233,3 +239,46 @@ def test_a_standalone_draft_lm_with_a_huge_vocabulary_is_warned_about(monkeypatc
     with pytest.warns(UserWarning, match="107-token embedding and head in full .*lora_rank 16"):
         distill.warn_large_vocabulary(model, None)
     distill.warn_large_vocabulary(model, 16)  # adapters: the embedding stays frozen
+
+
+# a Qwen3-style thinking switch: with enable_thinking false every answer (and the generation prompt) opens with
+# an empty thought, as Qwen3's own template renders it
+QWEN3_STYLE = (
+    "{% set quiet = enable_thinking is defined and enable_thinking is false %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' and quiet %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if quiet %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_template_options_change_the_tokens_and_every_stage_must_agree(tmp_path):
+    """`--template_kwargs` (here a Qwen3-style template's thinking switch) changes what is rendered, passes through
+    extract, fit and eval as part of the target's identity, and a stage given other options is refused."""
+    from draftsmith.models.target import encode_chat, load_tokenizer
+    from draftsmith.models.tokenizer import tokenizer_hash
+    from tests.conftest import save_tiny_target
+
+    root = tmp_path / "tiny"
+    target = save_tiny_target(root / "target", template=QWEN3_STYLE)
+    (root / "chats.json").write_text(json.dumps(sample_chats(24)))
+    messages = [{"role": "user", "content": "hi"}]
+    thinking, quiet = load_tokenizer(str(target)), load_tokenizer(str(target), template_kwargs={"enable_thinking": False})
+    assert thinking.decode(encode_chat(thinking, messages)).endswith("assistant\n")
+    assert quiet.decode(encode_chat(quiet, messages)).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer_hash(thinking) != tokenizer_hash(quiet)
+    stats = [json.loads(run_cli("data", "stats", "--data", str(root / "chats.json"), "--target", str(target), "--json",
+                                *extra).stdout)["tokenized"] for extra in ((), ("--template_kwargs", '{"enable_thinking": false}'))]
+    assert stats[0]["kept"] == stats[1]["kept"] == 24 and stats[0] != stats[1]  # the think blocks are tokens
+
+    results = run_on_chats(root, tmp_path, "mtbench", template_kwargs={"enable_thinking": False})
+    assert results["identical_outputs"] is True and results["config"]["template_kwargs"] == {"enable_thinking": False}
+    manifest = json.loads((root / "features" / "manifest.json").read_text())
+    assert manifest["target"]["tokenizer_hash"] == tokenizer_hash(quiet)
+    # the thinking mode is another target: its eval is refused, naming the options
+    other = run_cli("eval", "--target", str(target), "--drafter", str(tmp_path / "run" / "export-native"),
+                    "--limit", "1", "--max_new_tokens", "4", "--out", str(tmp_path / "other"))
+    assert other.returncode != 0 and "--template_kwargs" in other.stderr
+    bad = run_cli("eval", "--target", str(target), "--template_kwargs", '{"not a name": 1}', "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "are not names a chat template can read" in bad.stderr

@@ -79,12 +79,14 @@ class DataStatsConfig(ChatOptions):
         trust_remote_code: allow a hub tokenizer's own code to run.
         chat_template: a chat template in place of the tokenizer's own (a base model has none): a .jinja
             file, or a template draftsmith ships: chatml, gemma, llama3.
+        template_kwargs: variables the chat template reads, as JSON (e.g. {"enable_thinking": false}).
     """
 
     target: str | None = None
     json: bool = False
     trust_remote_code: bool = False
     chat_template: str | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 VAL_FRACTION = 0.05  # the default share of conversations held out for validation (and `--prompts heldout`)

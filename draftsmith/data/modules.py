@@ -8,6 +8,7 @@ final (B, T, H), aux (B, T, k*H) when layer ids are asked for, ids (list of str)
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -186,17 +187,19 @@ class FeatureDataModule(_LengthBatched):
         max_length: the max length, for that hint.
         limit: the conversation limit, for that hint.
         chat_template: the target's chat template, for that hint (the CLI links it from the model's).
+        template_kwargs: the variables set in it, for that hint (the CLI links them from the model's).
     """
 
     def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = VAL_FRACTION,
                  max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
                  target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None):
         super().__init__()
         self.features_dir, self.layer_ids = features_dir, list(layer_ids or [])
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
-        self.hint = dict(target=target, data=data, max_length=max_length, limit=limit, chat_template=chat_template)
+        self.hint = dict(target=target, data=data, max_length=max_length, limit=limit, chat_template=chat_template,
+                         template_kwargs=template_kwargs)
         self.reader: FeatureReader | None = None
 
     def extract_command(self, layer_ids: list[int] | None = None) -> str:
@@ -207,6 +210,8 @@ class FeatureDataModule(_LengthBatched):
             cmd += f" --limit {h['limit']}"
         if h["chat_template"] is not None:
             cmd += f" --chat_template {h['chat_template']}"
+        if h["template_kwargs"]:
+            cmd += f" --template_kwargs '{json.dumps(h['template_kwargs'])}'"
         ids = layer_ids if layer_ids is not None else self.layer_ids
         return cmd + (f" --layer_ids [{','.join(map(str, ids))}]" if ids else "")
 
@@ -273,16 +278,18 @@ class ChatDataModule(_LengthBatched):
         num_workers: DataLoader worker processes.
         seed: shuffling seed.
         chat_template: the chat template in place of the tokenizer's own (the CLI links it from the model's).
+        template_kwargs: the variables set in it (the CLI links them from the model's).
     """
 
     online = True
 
     def __init__(self, target: str, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
                  val_fraction: float = VAL_FRACTION, max_tokens: int = 16384, max_batch_size: int = 64,
-                 num_workers: int = 0, seed: int = 0, chat_template: str | None = None):
+                 num_workers: int = 0, seed: int = 0, chat_template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
         super().__init__()
         self.target, self.data, self.max_length, self.limit = target, data, max_length, limit
-        self.chat_template = chat_template
+        self.chat_template, self.template_kwargs = chat_template, template_kwargs
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
         self.dataset = None
@@ -297,7 +304,7 @@ class ChatDataModule(_LengthBatched):
         from draftsmith.data.conversations import load_conversations
         from draftsmith.models.target import load_tokenizer
 
-        tokenizer = load_tokenizer(self.target, chat_template=self.chat_template)
+        tokenizer = load_tokenizer(self.target, chat_template=self.chat_template, template_kwargs=self.template_kwargs)
         self.tokenizer_hash = tokenizer_hash(tokenizer)
         convs, _ = load_conversations(self.data, limit=self.limit)
         audit = MaskAudit()

@@ -248,7 +248,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         raise DraftsmithError(f"--mode {cfg.mode} verifies a drafter's tokens: give --drafter")
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     kind = export_kind(cfg.drafter)
     model = (lambda generations, alone: modelled_speedups(profiles, runner, generations, kind, cpu_name(), alone)) \

@@ -220,7 +220,7 @@ def run_profile(cfg: ProfileConfig) -> CostProfile:
     from draftsmith.runtime.runner import TargetRunner
 
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     runner = TargetRunner(target.model, proposer.aux_layer_ids)
     prompts = [target.encode_chat([{"role": "user", "content": p["turns"][0]}])

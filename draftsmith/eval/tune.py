@@ -182,7 +182,7 @@ def _tune_by_speed(cfg: TuneConfig, console: Any) -> dict[str, Any]:
 
     console = console or Console(stderr=True)
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     proposer, _ = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if cfg.tree is not None:
         check_tree_policy(cfg.kind(), levels_asked(proposer))

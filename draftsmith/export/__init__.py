@@ -114,7 +114,8 @@ def verify_roundtrip(module: Any, fmt: str, out: Path, atol: float = 1e-4) -> fl
         return _compare(a, b, atol, out)
     from draftsmith.models.target import load_target
 
-    target = load_target(module.hparams.target, dtype="float32", chat_template=module.hparams.get("chat_template"))
+    target = load_target(module.hparams.target, dtype="float32", chat_template=module.hparams.get("chat_template"),
+                         template_kwargs=module.hparams.get("template_kwargs"))
     if fmt == "native":
         drafter = load_native(out, target)
     else:

@@ -36,7 +36,8 @@ def export_stop_head(ckpt: dict[str, Any], fmt: str, out: str) -> dict[str, Any]
                "provenance": {"checkpoint": ckpt["path"], "global_step": ckpt.get("global_step"), "best_scores": best,
                               "hyper_parameters": {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}},
                "tuned": {}}
-    target = load_target(module.hparams.target, dtype="float32", chat_template=module.hparams.get("chat_template"))
+    target = load_target(module.hparams.target, dtype="float32", chat_template=module.hparams.get("chat_template"),
+                         template_kwargs=module.hparams.get("template_kwargs"))
     proposer, _ = load_proposer(out, target, run["drafter"]["head_vocab"])
     diffs = stop_head_mismatch(section, target, proposer)
     if diffs:

@@ -181,7 +181,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         dtype = fabric.broadcast(dtype)
     target = load_target(cfg.target, dtype=dtype, device=device, device_map=cfg.device_map,
                          adapter=cfg.adapter, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     target.tokenizer.padding_side = "right"
     layer_ids = target.check_layer_ids(cfg.layer_ids, "--layer_ids (in a recipe: data.init_args.layer_ids, "
                                        "and the drafter's model.init_args.aux_layer_ids)")

@@ -169,7 +169,7 @@ def labels(cfg: LabelsConfig, console: Any = None) -> dict[str, Any]:
     # labels stand for decoding's decisions, so they take the type decoding takes here; a resumed run keeps its own
     dtype = resolve_dtype(cfg.dtype, cfg.device, "decode", recorded(out, "dtype"))
     target = load_target(cfg.target, dtype=dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     proposer, description = load_proposer(cfg.drafter, target, cfg.head_vocab)
     if not proposer.drafts:
         raise DraftsmithError("--drafter: labels need a drafter export")

@@ -212,7 +212,8 @@ def regenerate(cfg: RegenerateConfig, console: Any = None) -> dict[str, Any]:
     convs, report = load_conversations(cfg.data, limit=cfg.limit)
     if not convs:
         raise DraftsmithError(f"{cfg.data}: no usable conversations ({report.as_dict()['skipped']})")
-    tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
+    tokenizer = load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code,
+                               chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     meta = {"format": "draftsmith-regenerated-chats", "target": {"name": cfg.target, "tokenizer_hash": tokenizer_hash(tokenizer)},
             **cfg.settings()}
     _check_meta(out, meta)
@@ -254,7 +255,7 @@ def _answerer(cfg: RegenerateConfig, tokenizer: Any, console: Any) -> Any:
     if cfg.engine == "vllm":
         return VllmAnswerer(resolve_source(cfg.target), tokenizer, cfg, resolve_dtype(cfg.dtype, cfg.device, "bulk"))
     target = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
-                         chat_template=cfg.chat_template)
+                         chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     import torch
 
     torch.manual_seed(cfg.seed)  # generate samples from the global generator

@@ -101,7 +101,7 @@ def identity_differences(theirs: dict[str, Any], mine: dict[str, Any], there: st
             parts = [part for part in b if a.get(part) != b[part]]
             line += f" (differing: {', '.join(parts)})" if parts else " (its recorded parts are equal)"
             if "chat_template" in parts:
-                line += ": every stage must render chats with the same template (--chat_template)"
+                line += ": every stage must render chats with the same template (--chat_template, --template_kwargs)"
         diffs.append(line)
     return diffs
 
@@ -241,9 +241,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
-    """Only the target's tokenizer (chat template included: `chat_template` replaces its own), without its
-    weights where possible."""
+def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> Any:
+    """Only the target's tokenizer (chat template included: `chat_template` replaces its own, `template_kwargs`
+    set in it), without its weights where possible."""
     from transformers import AutoTokenizer
 
     source = resolve_source(name)
@@ -251,7 +252,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, chat_template: st
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise DraftsmithError(f"could not load the tokenizer of target {name!r}: {e}") from None
-    return with_chat_template(tokenizer, default_chat_template(name, chat_template))
+    return with_chat_template(tokenizer, default_chat_template(name, chat_template), template_kwargs)
 
 
 def load_target(
@@ -262,13 +263,15 @@ def load_target(
     adapter: str | None = None,
     trust_remote_code: bool = False,
     chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Target:
     """Load a target from an embedded alias, a .gguf file, a local HF directory or a hub id.
 
     `adapter` is a peft LoRA directory merged into the weights on load. `device_map`
     ("auto", "balanced", or a dict) places a large target across devices with accelerate,
     in which case `device` is ignored. `chat_template` (a .jinja file or the name of a template
-    draftsmith ships) replaces the tokenizer's own. `dtype` "auto" is the type that decodes fastest on `device`
+    draftsmith ships) replaces the tokenizer's own; `template_kwargs` are set in it (`with_chat_template`).
+    `dtype` "auto" is the type that decodes fastest on `device`
     (`draftsmith.models.precision`; batched work resolves its own first); `Target.dtype` says which.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -296,7 +299,7 @@ def load_target(
         model = _merge_adapter(model, adapter)
     if device_map is None:
         model = model.to(device)
-    return Target(model, with_chat_template(tokenizer, default_chat_template(name, chat_template)), name=name,
+    return Target(model, with_chat_template(tokenizer, default_chat_template(name, chat_template), template_kwargs), name=name,
                   adapter=adapter)
 
 

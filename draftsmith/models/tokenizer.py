@@ -30,10 +30,35 @@ def chat_template_text(spec: str) -> str:
                           f"({', '.join(template_names())})")
 
 
-def with_chat_template(tokenizer: Any, spec: str | None) -> Any:
-    """`tokenizer` rendering chats with the template `spec` names (None: its own)."""
+def jinja_literal(value: Any) -> str:
+    """A JSON value written as a Jinja literal (true, none, lists and dicts of them)."""
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(jinja_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {jinja_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (int, float, str)):
+        return json.dumps(value)
+    raise DraftsmithError(f"--template_kwargs: {value!r} is not a JSON value")
+
+
+def with_chat_template(tokenizer: Any, spec: str | None, template_kwargs: dict[str, Any] | None = None) -> Any:
+    """`tokenizer` rendering chats with the template `spec` names (None: its own), with `template_kwargs` (e.g.
+    {"enable_thinking": false}, or "tools": [schemas]) set at the template's top: every rendering sees them
+    with no option at the call, and the tokenizer's identity holds them as part of its template."""
     if spec:
         tokenizer.chat_template = chat_template_text(spec)
+    if template_kwargs:
+        bad = [k for k in template_kwargs if not str(k).isidentifier()]
+        if bad:
+            raise DraftsmithError(f"--template_kwargs: {bad} are not names a chat template can read")
+        if not isinstance(tokenizer.chat_template, str):
+            raise DraftsmithError("--template_kwargs needs one chat template (this tokenizer has "
+                                  f"{'none' if tokenizer.chat_template is None else 'several, by name'}): "
+                                  "give --chat_template too")
+        tokenizer.chat_template = "".join(f"{{%- set {k} = {jinja_literal(v)} -%}}\n"
+                                          for k, v in sorted(template_kwargs.items())) + tokenizer.chat_template
     return tokenizer
 
 

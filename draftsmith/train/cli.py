@@ -48,6 +48,7 @@ def lightning_cli(argv: list[str], run: bool = True, resume: Path | None = None)
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.link_arguments("model.init_args.target", "data.init_args.target")
             parser.link_arguments("model.init_args.chat_template", "data.init_args.chat_template")
+            parser.link_arguments("model.init_args.template_kwargs", "data.init_args.template_kwargs")
             # what the data decides, handed to the model once both exist: whether the target runs inside the
             # step (no stored features), and the training data's token counts (EAGLE-3's draft vocabulary,
             # a standalone drafter's ranked head)

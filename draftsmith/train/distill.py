@@ -43,6 +43,7 @@ class DistillModule(pl.LightningModule):
         min_lr_ratio: final learning rate as a fraction of lr.
         target_dtype: dtype the target is loaded in.
         chat_template: a chat template in place of the target tokenizer's own (as `--chat_template`).
+        template_kwargs: variables set in the chat template (as `--template_kwargs`).
         online: the data holds no features: run the frozen target inside each step (the CLI links it
             from the DataModule's `online`).
         count_tokens: vocabulary size → the training data's assistant-token counts, kept with the
@@ -54,7 +55,8 @@ class DistillModule(pl.LightningModule):
                  layer_ids: list[int] | None = None, lora_rank: int | None = None, kl_top_k: int | None = None,
                  chain_length: int = 4,
                  lr: float = 5e-4, weight_decay: float = 0.0, warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 target_dtype: str = "float32", chat_template: str | None = None, online: bool = False,
+                 target_dtype: str = "float32", chat_template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None, online: bool = False,
                  count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["online", "count_tokens"])  # what the data gave, not settings

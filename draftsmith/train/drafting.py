@@ -91,6 +91,8 @@ class FeatureDrafting:
         target_dtype: dtype the target is loaded in (online features and the frozen parts).
         chat_template: the chat template the chats are rendered with, in place of the target tokenizer's
             own: a .jinja file or a template draftsmith ships (chatml, gemma, llama3); part of the identity.
+        template_kwargs: variables the chat template reads (e.g. {"enable_thinking": false}); part of the
+            identity, as the template.
         online: the data holds no features: run the frozen target inside each step (the CLI links it
             from the DataModule's `online`).
         count_tokens: vocabulary size → the training data's assistant-token counts, for a pruned draft
@@ -105,7 +107,8 @@ class FeatureDrafting:
                  optimizer: str = "adamw", muon_ns_steps: int = NS_STEPS, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
-                 online: bool = False, count_tokens: Callable[[int], torch.Tensor] | None = None):
+                 template_kwargs: dict[str, Any] | None = None, online: bool = False,
+                 count_tokens: Callable[[int], torch.Tensor] | None = None):
         given = dict(locals())
         self.settings = {k: v for k, v in given.items() if k not in ("self", *FROM_THE_DATA)}
         self.kind: DrafterKind = drafter_kind(kind)

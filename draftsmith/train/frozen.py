@@ -16,11 +16,12 @@ from draftsmith import DraftsmithError
 
 
 def load_frozen_target(hparams: Any) -> tuple[Any, dict[str, Any]]:
-    """(target, identity as a dict) for a module's `target`, `target_dtype` and `chat_template` settings."""
+    """(target, identity as a dict) for a module's `target`, `target_dtype`, `chat_template` and `template_kwargs`
+    settings."""
     from draftsmith.models.target import load_target
 
     target = load_target(hparams.target, dtype=hparams.get("target_dtype", "float32"),
-                         chat_template=hparams.get("chat_template"))
+                         chat_template=hparams.get("chat_template"), template_kwargs=hparams.get("template_kwargs"))
     return target, target.identity.as_dict()
 
 

@@ -42,6 +42,7 @@ class LabelDataModule(pl.LightningDataModule):
         labels: the label directory.
         target: the target model (the CLI links it from the model; checked against the labels').
         chat_template: its chat template (the CLI links it from the model's).
+        template_kwargs: the variables set in it (the CLI links them from the model's).
         val_fraction: share of chats held out for validation.
         batch_size: rows per batch.
         max_depth: use rows up to this draft depth (None: every depth labelled).
@@ -52,7 +53,8 @@ class LabelDataModule(pl.LightningDataModule):
     token_counts = None
 
     def __init__(self, labels: str, target: str | None = None, val_fraction: float = 0.1, batch_size: int = 2048,
-                 max_depth: int | None = None, seed: int = 0, chat_template: str | None = None):
+                 max_depth: int | None = None, seed: int = 0, chat_template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
         super().__init__()
         self.labels, self.target, self.val_fraction = labels, target, val_fraction
         self.batch_size, self.max_depth, self.seed = batch_size, max_depth, seed
@@ -107,6 +109,7 @@ class StopHeadModule(pl.LightningModule):
     Args:
         target: the target model the labels were made with (checked by identity).
         chat_template: a chat template in place of the target tokenizer's own (as `--chat_template`).
+        template_kwargs: variables set in the chat template (as `--template_kwargs`).
         kind: specdec (acceptance head on the drafter's hidden state) or disco (stop classifier on the
             drafter's top-k probabilities, entropy and position).
         label: soft (min(1, p/q) at T = 1, SpecDec++'s) or hard (the greedy token is the target's, DISCO's).
@@ -129,7 +132,8 @@ class StopHeadModule(pl.LightningModule):
     def __init__(self, target: str, kind: str = SPECDEC.name, label: str = "soft", num_layers: int = 3, normalize: bool = True,
                  draft_features: int = 0, top_k: int = 10, width: int = 64, rejection_weight: float = 6.0,
                  mixing_ratio: float = 0.15, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 20,
-                 min_lr_ratio: float = 0.1, chat_template: str | None = None, online: bool = False, count_tokens: Callable[[int], torch.Tensor] | None = None):
+                 min_lr_ratio: float = 0.1, chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 online: bool = False, count_tokens: Callable[[int], torch.Tensor] | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["online", "count_tokens"])
         if kind not in HEAD_KINDS:
@@ -164,7 +168,8 @@ class StopHeadModule(pl.LightningModule):
         data.setup(stage)
         from draftsmith.models.target import load_target
 
-        target = load_target(self.hparams.target, dtype="float32", chat_template=self.hparams.chat_template)
+        target = load_target(self.hparams.target, dtype="float32", chat_template=self.hparams.chat_template,
+                             template_kwargs=self.hparams.get("template_kwargs"))
         diffs = target.identity.differences(data.run["target"])
         if diffs:
             raise DraftsmithError(f"{data.labels} was labelled with another target: {'; '.join(diffs)}")

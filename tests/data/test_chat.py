@@ -123,7 +123,9 @@ def test_a_tokenizer_mismatch_names_the_part_that_differs():
     chatml, llama3 = identity(CHATML), identity(LLAMA3)
     assert chatml["tokenizer_parts"]["vocabulary"] == llama3["tokenizer_parts"]["vocabulary"]
     [line] = identity_differences(chatml, llama3, "in the export", "here")
-    assert line.startswith(f"tokenizer_hash: {chatml['tokenizer_hash']!r} in the export, ") and line.endswith("(differing: chat_template): every stage must render chats with the same template (--chat_template)")
+    assert line.startswith(f"tokenizer_hash: {chatml['tokenizer_hash']!r} in the export, ")
+    assert line.endswith("(differing: chat_template): every stage must render chats with the same template "
+                         "(--chat_template, --template_kwargs)")
     before_parts = {k: v for k, v in chatml.items() if k != "tokenizer_parts"}
     [line] = identity_differences(before_parts, llama3)
     assert "differing" not in line
