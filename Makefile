@@ -59,7 +59,7 @@ demo: setup
 # of decodes each) and the inductor compile tests run apart, CI runs both, and the family matrix's cases beyond
 # CI's covering subset (`matrix`) run by hand before such a change lands.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m "not proof and not compile and not matrix" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal --durations=12 -m "not proof and not compile and not matrix" tests
 
 test-proofs: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal -m proof tests

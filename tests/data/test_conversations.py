@@ -147,3 +147,25 @@ def test_embedded_sharegpt_stats_json():
     assert stats["kept"] > 17000
     assert stats["kept"] + sum(stats["skipped"].values()) == stats["read"]
     assert stats["skipped"]["file_cut_mid_record"] == 1
+
+
+def test_packing_joins_chats_of_one_split_within_the_length():
+    """`extract --pack`: consecutive chats joined while the joined one fits; each joins only its own split and
+    keeps its first member's id, so the packed chat falls in that split."""
+    from draftsmith.data.conversations import Conversation, pack, split_of
+
+    def chat(i: int, turns: int = 1) -> Conversation:
+        return Conversation(f"c{i}", [m for t in range(turns) for m in ({"role": "user", "content": f"q{i}.{t}"},
+                                                                           {"role": "assistant", "content": "a"})])
+
+    chats = [chat(i, turns=3 if i == 5 else 1) for i in range(40)]
+    count = lambda messages: 10 * len(messages)  # noqa: E731
+    packed = pack(chats, 40, count, val_fraction=0.3)
+    assert sum(len(c.messages) for c in packed) == sum(len(c.messages) for c in chats)  # nothing lost
+    assert all(count(c.messages) <= 40 or len(c.messages) == 6 for c in packed) and len(packed) < len(chats)
+    by_id = {c.id: c for c in chats}
+    for c in packed:
+        members = [m["content"].split(".")[0][1:] for m in c.messages if m["role"] == "user"]
+        assert len({split_of(f"c{i}", 0.3) for i in members}) == 1 and c.id == f"c{members[0]}"
+        assert c.messages[: len(by_id[c.id].messages)] == by_id[c.id].messages
+    assert pack(chats, 0, count) == chats  # nothing fits two chats: each alone
