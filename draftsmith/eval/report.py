@@ -270,12 +270,15 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         ax.set_xlabel("context position (tokens) at which the round drafted")
         ax.set_ylabel("acceptance")
         twin = ax.twinx()
-        twin.plot(labels, [g["tau"] for g in positions.values()], "s--", color="#55A868", label="τ")
+        taus = [g["tau"] for g in positions.values()]
+        twin.plot(labels, taus, "s--", color="#55A868", label="τ")
         twin.set_ylabel("τ (tokens a round)")
+        twin.set_ylim(1.0, max(taus) + 1.0)
         for label, g, y in zip(labels, positions.values(), first):
             ax.annotate(f"{g['rounds']} rounds", (label, y), textcoords="offset points", xytext=(0, 6), fontsize=7,
                         ha="center")
-        fig.legend(loc="lower left", fontsize=7)
+        ax.legend(ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0],
+                  ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1], loc="upper right", fontsize=7)
         ax.set_title("acceptance by context position")
         fig.tight_layout()
         paths.append(str(out / "by_context_position.png"))
