@@ -82,7 +82,8 @@ def main() -> None:
         tmp = Path(tmp)
         out["tokens"] = str(long_chats(args.length, args.chats, tmp / "long.jsonl"))
         peak, seconds = stage(["extract", "--target", TARGET, "--data", str(tmp / "long.jsonl"), "--out",
-                               str(tmp / "features"), "--max_length", str(args.length), "--dtype", args.dtype])
+                               str(tmp / "features"), "--max_length", str(args.length), "--dtype", args.dtype,
+                               "--layer_ids", "[2,15,27]"])
         out.update(peak_gib_extract=f"{peak:.2f}", s_extract=f"{seconds:.0f}")
         peak, _ = stage(["fit", "--config", "recipes/smollm2-135m/eagle3-cpu.yaml", "--data.init_args.features_dir",
                          str(tmp / "features"), "--data.init_args.max_length", str(args.length),

@@ -109,7 +109,9 @@ def long_context(encode: Callable[[list[dict[str, str]]], list[int]], window: in
             for j in range(start, start + len(chats) - 1):
                 chat, question = chats[j % len(chats)], chats[(j + 1) % len(chats)][0]
                 if len(encode(history + chat + [question])) > length - min(LONG_ROOM, length // 4):
-                    break
+                    if history:
+                        break
+                    continue  # a chat longer than the length on its own: the next one starts the prompt
                 history += chat
             out.append({"id": f"long-{length}-{i}", "set": "long", "category": f"{length // 1024}k" if length >= 1024
                         else str(length),
