@@ -118,7 +118,7 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
                   "repeats": repeats, "warmup_seconds": warmup},
         **breakdowns,
-        "per_position": by_position(method_results),
+        "per_position": by_position(method_results, [x for rep in runs["autoregressive"] for x in rep]),
         "modelled": model(method_results, [x for rep in runs["autoregressive"] for x in rep]) if model else {},
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),

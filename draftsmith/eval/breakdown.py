@@ -18,7 +18,7 @@ def round_acceptance(rounds: list[Any]) -> dict[str, Any]:
     """τ, mean accepted, α_j by draft position and the counts of a set of rounds (`RoundStats`)."""
     if not rounds:
         return {"rounds": 0, "tau": 1.0, "mean_accepted": 0.0, "alpha": [], "histogram": {}, "drafted": 0,
-                "accepted": 0}
+                "accepted": 0, "committed": 0, "seconds": 0.0}
     depth = max(r.depth for r in rounds)
     reached, accepted_at = [0] * depth, [0] * depth
     for r in rounds:  # a tree's position j is its depth j+1: judged when the path reached depth j
@@ -33,6 +33,8 @@ def round_acceptance(rounds: list[Any]) -> dict[str, Any]:
         "histogram": {str(k): v for k, v in sorted(Counter(r.accepted for r in rounds).items())},
         "drafted": sum(r.drafted for r in rounds),
         "accepted": sum(r.accepted for r in rounds),
+        "committed": sum(r.committed for r in rounds),
+        "seconds": sum(r.seconds for r in rounds),
     }
 
 
@@ -61,8 +63,11 @@ def round_positions(result: Any) -> list[int]:
     return out
 
 
-def by_position(results: list[Any]) -> dict[str, dict[str, Any]]:
-    """Each context-length bucket that holds rounds → their acceptance, the buckets in order of length."""
+def by_position(results: list[Any], alone: list[Any] = ()) -> dict[str, dict[str, Any]]:
+    """Each context-length bucket that holds rounds → their acceptance, the buckets in order of length. With
+    `alone` (the target alone's generations of the same prompts), each bucket's decoding speedup too: tokens
+    committed a second by its rounds against the target alone's rounds in the same bucket (prefills left out,
+    which both arms pay)."""
     groups: dict[int, list[Any]] = {}
     for result in results:
         for at, r in zip(round_positions(result), result.rounds):
@@ -70,4 +75,9 @@ def by_position(results: list[Any]) -> dict[str, dict[str, Any]]:
     buckets: dict[str, list[Any]] = {}
     for at in sorted(groups):
         buckets.setdefault(position_bucket(at), []).extend(groups[at])
-    return {name: round_acceptance(rounds) for name, rounds in buckets.items()}
+    out = {name: round_acceptance(rounds) for name, rounds in buckets.items()}
+    base = by_position(alone) if alone else {}
+    for name, g in out.items():
+        if name in base and g["seconds"] and base[name]["seconds"]:
+            g["speedup"] = (g["committed"] / g["seconds"]) / (base[name]["committed"] / base[name]["seconds"])
+    return out

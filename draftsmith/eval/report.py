@@ -82,7 +82,8 @@ def breakdown_table(results: dict[str, Any]) -> Any:
             t.add_row(BREAKDOWNS[key], label, str(g["rounds"]), f"{g['tau']:.2f}",
                       f"{first:.2f}" if first is not None else "–",
                       speedup_cell(g["speedup"], valid) if "speedup" in g else "–")
-    t.caption = "context position: the sequence length at which a round drafted (prompt and tokens committed before)"
+    t.caption = ("context position: the sequence length at which a round drafted (prompt and tokens committed before); "
+                 "its speedup: decoding rounds only, against the target alone's rounds there (prefills left out)")
     return t
 
 

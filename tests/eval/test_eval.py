@@ -39,6 +39,11 @@ def test_rounds_are_placed_at_the_context_position_they_drafted_at():
     buckets = by_position([result, GenerationResult(tokens=[0] * 7, prompt_length=10, rounds=rounds[:2])])
     assert list(buckets) == ["<512", "512–1k"] and buckets["<512"]["rounds"] == 3 and buckets["512–1k"]["rounds"] == 2
     assert buckets["512–1k"]["tau"] == pytest.approx(1.5) and buckets["<512"]["accepted"] == 7
+    # beside the target alone (one token a round, 0.05 s each, in both buckets), each bucket's decoding speedup
+    alone = [GenerationResult(tokens=[0] * 9, prompt_length=510, rounds=[RoundStats(0, 0, 1, 0, 1, 0, 0.05)] * 8)]
+    buckets = by_position([result], alone)
+    assert buckets["<512"]["speedup"] == pytest.approx((4 / 0.1) / (1 / 0.05))  # 511: 4 tokens in 0.1 s
+    assert buckets["512–1k"]["speedup"] == pytest.approx((3 / 0.2) / (1 / 0.05))
 
 
 def test_long_prompts_reach_their_length_in_the_template(tiny_features):
@@ -68,6 +73,7 @@ def test_breakdowns_partition_the_rounds(eagle3_ckpt, tiny_features, tmp_path):
     acc = results["acceptance"]
     assert list(results["per_set"]) == ["mtbench", "humaneval", "long"]
     assert set(results["per_turn"]) == {"1", "2", "3+"} and results["per_set"]["mtbench"]["prompts"] == 4
+    assert all(g["speedup"] > 0 for g in results["per_position"].values())  # both arms decode every bucket
     for key in ("per_set", "per_category", "per_turn", "per_position"):
         groups = results[key].values()
         assert sum(g["rounds"] for g in groups) == acc["rounds"], key
