@@ -60,9 +60,8 @@ def main() -> None:
     args = ap.parse_args()
     from rich.progress import track
 
-    from draftsmith.eval.quality import reference_chats
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.eval.quality import reference_quality, reference_rows
+    from draftsmith.eval.quality import reference_chats, reference_quality, reference_rows
     from draftsmith.runtime.loading import load_proposer
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate

@@ -124,8 +124,7 @@ def main() -> None:
     def head_arm(kind: str, mode: str, profile: str | None = None) -> tuple:
         threshold, k = tuned(kind, mode, profile)
         k = min(k, shape.depth) if shape is not None else k  # a tree round drafts at most its depth, as in eval
-        return (proposer, build(kind, head=heads[kind][0], threshold=threshold, k=k, tree=shape is not None), shape,
-                (kind, threshold, k))
+        return proposer, build(kind, head=heads[kind][0], threshold=threshold, k=k, tree=shape is not None), shape
 
     def profile_arms(mode: str) -> dict:
         """The heads at the thresholds tuned for each profile, where they differ from the plain arms'."""
@@ -166,12 +165,12 @@ def main() -> None:
     def run_arms(arms: dict, ids, sampling) -> dict:
         """Every arm on every prompt, the arms alternating prompt by prompt (a drift in the machine's speed
         falls on all of them alike), `repeats` passes after a warm-up; per-arm figures."""
-        for name, (prop, make, tree, *_) in arms.items():
+        for name, (prop, make, tree) in arms.items():
             decode_all(runner, prop, ids[:1], 8, make, sampling, eos, 0, tree=tree)
         results = {name: [[] for _ in range(args.repeats)] for name in arms}
         for r in range(args.repeats):
             for i, x in enumerate(ids):
-                for name, (prop, make, tree, *_) in arms.items():
+                for name, (prop, make, tree) in arms.items():
                     results[name][r] += decode_all(runner, prop, [x], args.max_new_tokens, make, sampling, eos, 1000 * r + i,
                                                    tree=tree)
             print(f"  pass {r + 1}: " + ", ".join(f"{n} {rate(v[r]):.2f}" for n, v in results.items()), flush=True)

@@ -106,20 +106,21 @@ def measure(runner: TargetRunner, proposer: Proposer, prompts: list[list[int]], 
             rate = {name: statistics.median(sum(len(rep[i].tokens) for i in idx) / sum(rep[i].seconds for i in idx)
                                             for rep in reps) for name, reps in runs.items()}
             stats = acceptance_stats([rep[i] for rep in runs["method"] for i in idx])
-            per[label] = {**{k: stats[k] for k in ("tau", "mean_accepted", "alpha", "rounds")},
-                          "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0),
+            kept = ("tau", "mean_accepted", "alpha", "rounds", "drafted", "accepted")
+            per[label] = {**{k: stats[k] for k in kept},
                           "tokens_per_second": rate["method"],
                           "autoregressive_tokens_per_second": rate["autoregressive"],
                           "speedup": rate["method"] / rate["autoregressive"], "prompts": len(idx)}
     method_results = [x for rep in runs["method"] for x in rep]
+    alone_results = [x for rep in runs["autoregressive"] for x in rep]
     return {
         "acceptance": {**acceptance_stats(method_results),
                        "draft_vocab_coverage": draft_vocab_coverage(runs["method"][0], proposer.draftable)},
         "speed": {**speed, "speedup": speed["method"]["tokens_per_second"] / speed["autoregressive"]["tokens_per_second"],
                   "repeats": repeats, "warmup_seconds": warmup},
         **breakdowns,
-        "per_position": by_position(method_results, [x for rep in runs["autoregressive"] for x in rep]),
-        "modelled": model(method_results, [x for rep in runs["autoregressive"] for x in rep]) if model else {},
+        "per_position": by_position(method_results, alone_results),
+        "modelled": model(method_results, alone_results) if model else {},
         "identical_outputs": all(a.tokens == b.tokens for ra, rb in zip(runs["autoregressive"], runs["method"])
                                  for a, b in zip(ra, rb)),
         "samples": [{"category": c, "tokens": x.tokens}

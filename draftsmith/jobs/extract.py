@@ -192,9 +192,10 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
     target.tokenizer.padding_side = "right"
     if cfg.pack:
         from draftsmith.data.conversations import pack
+        from draftsmith.models.target import encode_chat
 
-        convs = pack(convs, cfg.pack, lambda messages: len(target.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                                                             return_dict=True)["input_ids"]))
+        convs = pack(convs, cfg.pack,
+                     lambda messages: len(encode_chat(target.tokenizer, messages, add_generation_prompt=False)))
     layer_ids = target.check_layer_ids(cfg.layer_ids, "--layer_ids (in a recipe: data.init_args.layer_ids, "
                                        "and the drafter's model.init_args.aux_layer_ids)")
     run = {

@@ -217,9 +217,10 @@ class Target:
         return out.last_hidden_state, captured.collect(out)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's next answer."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's next answer (or
+    as it stands, without `add_generation_prompt`)."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                               return_dict=True)["input_ids"])
 
 
