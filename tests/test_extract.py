@@ -138,7 +138,7 @@ def test_bad_options_are_refused(tiny_target_dir, chats_file, tmp_path):
         cfg(tiny_target_dir, chats_file, tmp_path, batch_tokens=100)
     with pytest.raises(DraftsmithError, match="in a recipe: data.init_args.layer_ids.*out of range"):
         extract(cfg(tiny_target_dir, chats_file, tmp_path / "f", layer_ids=[7]))
-    with pytest.raises(DraftsmithError, match="--engine must be transformers or vllm"):
+    with pytest.raises(DraftsmithError, match="--engine must be one of transformers, vllm, got 'sglang'"):
         cfg(tiny_target_dir, chats_file, tmp_path, engine="sglang")
     with pytest.raises(DraftsmithError, match="--engine vllm places the target itself"):
         cfg(tiny_target_dir, chats_file, tmp_path, engine="vllm", devices=2)

@@ -21,7 +21,6 @@ from typing import Any, Callable, NamedTuple
 
 from draftsmith import DraftsmithError
 
-ENGINES = ("transformers", "vllm")  # the engines that run the target in this process (`--engine`)
 REASONING = ("keep", "drop")
 THINK = re.compile(r"^\s*(?:<think>)?.*?</think>\s*", re.DOTALL)  # a reasoning block, its opening tag optional
 PROBE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
@@ -41,6 +40,17 @@ def require_vllm() -> None:
         raise DraftsmithError("--engine vllm needs vLLM in this environment: `make engines` installs its CPU build "
                               "with draftsmith in .venv-engines (run .venv-engines/bin/draftsmith), "
                               "`pip install vllm` a GPU build")
+
+
+def vllm_engine_args(own: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `LLM(...)` arguments: draftsmith's `own` with the user's `--engine_args` added (placement and
+    speed, e.g. tensor_parallel_size, gpu_memory_utilization, enforce_eager); what draftsmith sets itself is
+    refused, naming the option that sets it."""
+    clash = sorted(set(extra or {}) & set(own))
+    if clash:
+        raise DraftsmithError(f"--engine_args {clash}: draftsmith sets {'it' if len(clash) == 1 else 'them'} itself "
+                              "(the target, dtype, seed and lengths come from their own options)")
+    return {**own, **(extra or {})}
 
 
 def bound_cpu_kv_cache() -> None:
@@ -110,8 +120,8 @@ class VllmAnswerer:
         self.tok, self.cfg, self.batch_size = tokenizer, cfg, None
         self.eos = list(eos_ids(tokenizer, AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)))
         bound_cpu_kv_cache()
-        self.llm = LLM(model=source, dtype=dtype, seed=cfg.seed, max_model_len=cfg.max_length,
-                       trust_remote_code=cfg.trust_remote_code)
+        self.llm = LLM(**vllm_engine_args(dict(model=source, dtype=dtype, seed=cfg.seed, max_model_len=cfg.max_length,
+                                               trust_remote_code=cfg.trust_remote_code), cfg.engine_args))
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p or 1.0, top_k=cfg.top_k or 0,
                                      max_tokens=cfg.max_new_tokens, stop_token_ids=self.eos, seed=cfg.seed)
 

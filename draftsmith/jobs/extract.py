@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import DraftsmithError
-from draftsmith.jobs.answerers import ENGINES
-from draftsmith.options import ChatOptions, TargetOptions
+from draftsmith.options import ChatOptions, EngineOptions, TargetOptions
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(kw_only=True)
-class ExtractConfig(TargetOptions, ChatOptions):
+class ExtractConfig(TargetOptions, ChatOptions, EngineOptions):
     """Options of `draftsmith extract` (the target's, the chats', and these).
 
     Args:
@@ -38,8 +37,6 @@ class ExtractConfig(TargetOptions, ChatOptions):
         devices: processes to extract with (each takes every N-th shard); torchrun works too.
         device_map: accelerate placement for a target larger than one device (e.g. auto).
         adapter: a peft LoRA adapter directory merged into the target on load.
-        engine: transformers (the target's forward here) or vllm (vLLM's own forward, its
-            `extract_hidden_states` method; the target is still loaded here for its identity and final norm).
         pack: join consecutive chats into one of at most this many tokens (whole exchanges, within each
             train/validation split at the default share): long sequences that train positions deep into the
             window; at most --max_length. 0: each chat alone.
@@ -53,7 +50,6 @@ class ExtractConfig(TargetOptions, ChatOptions):
     devices: int = 1
     device_map: str | None = None
     adapter: str | None = None
-    engine: str = "transformers"
     pack: int = 0
 
     def __post_init__(self) -> None:
@@ -74,8 +70,7 @@ class ExtractConfig(TargetOptions, ChatOptions):
             raise DraftsmithError(f"--feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
         if self.device_map is not None and self.devices > 1:
             raise DraftsmithError("--device_map places one target across devices; use it with --devices 1")
-        if self.engine not in ENGINES:
-            raise DraftsmithError(f"--engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
+        self.check_engine()
         if self.engine == "vllm" and (self.devices > 1 or self.device_map or self.adapter):
             raise DraftsmithError("--engine vllm places the target itself: leave --devices, --device_map and --adapter out")
 
@@ -227,7 +222,7 @@ def extract(cfg: ExtractConfig, console: Any = None) -> dict[str, Any]:
         from draftsmith.models.sources import resolve_source
 
         engine = VllmFeatures(resolve_source(cfg.target), target, layer_ids, dtype, cfg.max_length,
-                              cfg.trust_remote_code)
+                              cfg.trust_remote_code, cfg.engine_args)
     num_parts = math.ceil(len(convs) / cfg.shard_size)
     sizes = [min(cfg.shard_size, len(convs) - p * cfg.shard_size) for p in range(num_parts)]
     done = [holds_part(out / shard_name(p), size) for p, size in enumerate(sizes)]

@@ -28,12 +28,12 @@ from typing import Any, Callable
 
 from draftsmith import DraftsmithError
 from draftsmith.files import json_lines
-from draftsmith.jobs.answerers import ENGINES, REASONING, EndpointAnswerer, GenerateAnswerer, VllmAnswerer
-from draftsmith.options import ChatOptions, SamplingOptions, TargetOptions
+from draftsmith.jobs.answerers import REASONING, EndpointAnswerer, GenerateAnswerer, VllmAnswerer
+from draftsmith.options import ENGINES, ChatOptions, EngineOptions, SamplingOptions, TargetOptions
 
 
 @dataclass(kw_only=True)
-class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
+class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions, EngineOptions):
     """Options of `draftsmith regenerate` (the target's, the chats', the sampling options' and these).
 
     Args:
@@ -42,8 +42,6 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
         max_length: prompt + answer tokens; a turn without room for a full answer ends its conversation.
         batch_size: prompts generated together (grouped by length; the transformers engine).
         chunk: conversations finished and appended to OUT together (the unit of resumption).
-        engine: transformers (generate on the loaded target) or vllm (vLLM's offline engine in this process,
-            fed the same token ids).
         endpoint: the base URL of an OpenAI-compatible chat-completions server (http://HOST:PORT or
             .../v1) to answer instead; it must serve --target (checked: it must render a probe chat to the
             same token ids). Its API key, if any, is read from $DRAFTSMITH_API_KEY or $OPENAI_API_KEY.
@@ -62,7 +60,6 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
     max_length: int = 2048
     batch_size: int = 16
     chunk: int = 64
-    engine: str = "transformers"
     endpoint: str | None = None
     served_model: str | None = None
     concurrency: int = 8
@@ -72,8 +69,7 @@ class RegenerateConfig(TargetOptions, ChatOptions, SamplingOptions):
     reasoning: str = "keep"
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise DraftsmithError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self.check_engine()
         if self.endpoint is not None and self.engine != ENGINES[0]:
             raise DraftsmithError("--endpoint answers through a server: leave --engine out")
         if self.reasoning not in REASONING:

@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from draftsmith import DraftsmithError
-from draftsmith.jobs.answerers import bound_cpu_kv_cache
+from draftsmith.jobs.answerers import bound_cpu_kv_cache, vllm_engine_args
 
 
 class _Written:
@@ -64,7 +64,7 @@ class VllmFeatures:
     (the target's own final norm applied to vLLM's last-layer output) and the requested layers."""
 
     def __init__(self, source: str, target: Any, layer_ids: list[int], dtype: str, max_length: int,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, engine_args: dict[str, Any] | None = None):
         from vllm import LLM, SamplingParams
 
         self.target, self.layer_ids = target, list(layer_ids)
@@ -74,13 +74,14 @@ class VllmFeatures:
         connector = ({"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": __name__} if on_cpu
                      else {"kv_connector": "ExampleHiddenStatesConnector"})
         bound_cpu_kv_cache()
-        self.llm = LLM(model=source, dtype=dtype, max_model_len=max_length + 1, seed=0, enable_prefix_caching=False,
-                       trust_remote_code=trust_remote_code,
-                       speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                           "draft_model_config": {"hf_config": {
-                                               "eagle_aux_hidden_state_layer_ids": self.capture}}},
-                       kv_transfer_config={**connector, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": {"shared_storage_path": self.store}})
+        own = dict(model=source, dtype=dtype, max_model_len=max_length + 1, seed=0, enable_prefix_caching=False,
+                   trust_remote_code=trust_remote_code,
+                   speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                       "draft_model_config": {"hf_config": {
+                                           "eagle_aux_hidden_state_layer_ids": self.capture}}},
+                   kv_transfer_config={**connector, "kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"shared_storage_path": self.store}})
+        self.llm = LLM(**vllm_engine_args(own, engine_args))
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def part(self, chats: list[Any]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:

@@ -159,6 +159,23 @@ def test_the_vllm_engine_without_vllm_says_where_to_get_it(lively_target, chats_
         cfg(lively_target, chats_file, tmp_path / "v.jsonl", reasoning="hide")
 
 
+def test_vllm_engine_args_reach_the_engine_and_may_not_replace_draftsmiths_own(lively_target, chats_file, tmp_path):
+    """`--engine_args` add vLLM's placement and speed arguments (the engines tests pass enforce_eager through
+    them); the target, dtype, seed and lengths stay draftsmith's, and the arguments need --engine vllm."""
+    from draftsmith.jobs.answerers import vllm_engine_args
+    from draftsmith.jobs.extract import ExtractConfig
+
+    own = {"model": "m", "dtype": "float32", "seed": 0, "max_model_len": 512}
+    assert vllm_engine_args(own, {"tensor_parallel_size": 2}) == {**own, "tensor_parallel_size": 2}
+    assert vllm_engine_args(own, None) == own
+    with pytest.raises(DraftsmithError, match=r"--engine_args \['max_model_len'\]: draftsmith sets it itself"):
+        vllm_engine_args(own, {"max_model_len": 64, "enforce_eager": True})
+    with pytest.raises(DraftsmithError, match="give them with --engine vllm"):
+        cfg(lively_target, chats_file, tmp_path / "v.jsonl", engine_args={"enforce_eager": True})
+    with pytest.raises(DraftsmithError, match="give them with --engine vllm"):
+        ExtractConfig(target="t", data="d", out="o", engine_args={"enforce_eager": True})
+
+
 def test_vllm_on_a_cpu_gets_a_bounded_kv_cache_unless_one_was_set(monkeypatch):
     import os
 
