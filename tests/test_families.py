@@ -200,6 +200,31 @@ def run_on_chats(root, tmp_path, prompts: str, **model) -> dict:
     return json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
 
 
+def table_text(results: dict) -> str:
+    from rich.console import Console
+
+    from draftsmith.eval.report import table
+
+    console = Console(record=True, width=400)
+    console.print(table(results))
+    return " ".join(console.export_text().split())
+
+
+@pytest.mark.matrix
+def test_a_qwen3_style_target_trains_and_decodes_in_either_mode(tmp_path):
+    """A drafter trained in each mode of a Qwen3-style template decodes its target's own text in that mode,
+    and its eval names the mode its τ belongs to."""
+    from tests.conftest import save_tiny_target
+
+    for name, options in (("thinking", {"enable_thinking": True}), ("quiet", {"enable_thinking": False})):
+        root = tmp_path / name / "tiny"
+        save_tiny_target(root / "target", template=QWEN3_STYLE)
+        (root / "chats.json").write_text(json.dumps(sample_chats(24)))
+        results = run_on_chats(root, tmp_path / name, "mtbench", template_kwargs=options)
+        assert results["identical_outputs"] is True and results["config"]["template_kwargs"] == options
+        assert f"(enable_thinking={json.dumps(options['enable_thinking'])})" in table_text(results)
+
+
 def test_a_base_model_without_a_chat_template_runs_with_one_given(tmp_path):
     """A base model (Gemma-3-270M's GGUF) has no template: `data stats` says which option gives one, and a
     recipe naming one goes through extract, fit and eval with it (it is part of the target's identity, so
@@ -274,6 +299,7 @@ def test_template_options_change_the_tokens_and_every_stage_must_agree(tmp_path)
 
     results = run_on_chats(root, tmp_path, "mtbench", template_kwargs={"enable_thinking": False})
     assert results["identical_outputs"] is True and results["config"]["template_kwargs"] == {"enable_thinking": False}
+    assert "(enable_thinking=false)" in table_text(results)  # the mode its τ was measured in
     manifest = json.loads((root / "features" / "manifest.json").read_text())
     assert manifest["target"]["tokenizer_hash"] == tokenizer_hash(quiet)
     # the thinking mode is another target: its eval is refused, naming the options

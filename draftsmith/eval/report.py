@@ -130,7 +130,9 @@ def table(results: dict[str, Any]) -> Any:
     if "points" in results:
         return sweep_table(results)
     acc, speed = results["acceptance"], results["speed"]
-    t = Table(title=f"{results['config']['prompts']}: {results['config']['drafter']} on {results['config']['target']}")
+    config = results["config"]
+    mode = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted((config.get("template_kwargs") or {}).items()))
+    t = Table(title=f"{config['prompts']}: {config['drafter']} on {config['target']}" + (f" ({mode})" if mode else ""))
     for col in ("category", "prompts", "τ (with bonus)", "mean accepted", "tok/s", "AR tok/s", "speedup"):
         t.add_column(col, justify="right" if col != "category" else "left")
     valid = speed.get("valid", True)  # False: other work shared the CPU while the arms were timed
