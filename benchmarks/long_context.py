@@ -1,16 +1,16 @@
 """Extraction, training and eval at long contexts on this machine: the peak resident memory and time of each.
 
-The embedded chats are concatenated, exchange after exchange, into conversations of about --length tokens in
-the target's chat template, written as a chat file. Then each stage runs in its own process (its peak
-resident memory is the kernel's rusage of that process):
-- extract: `draftsmith extract --max_length LENGTH` of --chats such conversations;
+Each stage runs in its own process (its peak resident memory is the kernel's rusage of that process):
+- extract: `draftsmith extract --max_length LENGTH --pack LENGTH` of the first --chats embedded chats, joined
+  exchange after exchange into conversations of up to LENGTH tokens in the target's chat template (a longer
+  chat stays alone, cut at LENGTH);
 - fit: the eagle3-cpu recipe on those features for --steps steps, one LENGTH-token sequence a step;
 - eval: `draftsmith eval --prompts long` of that drafter (4 prompts at 2k, 4k and the window each, --limit
   of them) against the target alone, with the τ of each context-position bucket.
 
-    python benchmarks/long_context.py --length 8192 --chats 16 --steps 10
+    python benchmarks/long_context.py --length 8192 --chats 64 --steps 10
 
-Ends with `RESULT peak_gib_extract=... s_extract=... peak_gib_fit=... s_per_step=... peak_gib_eval=... s_eval=...
+Ends with `RESULT records=... tokens=... peak_gib_extract=... s_extract=... peak_gib_fit=... s_per_step=... peak_gib_eval=... s_eval=...
 tau_<bucket>=... alpha1_<bucket>=...` (buckets as eval names them: lt512, 2k_4k, ...).
 """
 
@@ -31,30 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET = "embedded:smollm2-135m-instruct"
 
 
-def long_chats(length: int, count: int, out: Path) -> int:
-    """`count` conversations of the embedded chats, each as many whole exchanges as fit `length` tokens in the
-    target's template, written to `out` (JSON lines); their mean length in tokens."""
-    from draftsmith.data.conversations import read_conversations
-    from draftsmith.models.target import encode_chat, load_tokenizer
-
-    tokenizer = load_tokenizer(TARGET)
-    chats = iter(read_conversations("sharegpt"))
-    lengths = []
-    with out.open("w") as f:
-        for i in range(count):
-            messages: list[dict[str, str]] = []
-            for conv in chats:
-                turns = [{"role": m["role"], "content": m["content"]} for m in conv.messages
-                         if m["role"] in ("user", "assistant")]
-                turns = turns[: len(turns) // 2 * 2]
-                if turns and len(encode_chat(tokenizer, messages + turns)) > length:
-                    break
-                messages += turns
-            lengths.append(len(encode_chat(tokenizer, messages)))
-            f.write(json.dumps({"id": f"long-{i}", "messages": messages}) + "\n")
-    return sum(lengths) // len(lengths)
-
-
 def stage(args: list[str]) -> tuple[float, float]:
     """(peak GiB, seconds) of one draftsmith command in its own process."""
     start = time.perf_counter()
@@ -71,7 +47,7 @@ def stage(args: list[str]) -> tuple[float, float]:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--length", type=int, default=8192, help="tokens a training conversation holds")
-    p.add_argument("--chats", type=int, default=16, help="conversations extracted")
+    p.add_argument("--chats", type=int, default=64, help="embedded chats read, packed into conversations of --length")
     p.add_argument("--steps", type=int, default=10, help="training steps")
     p.add_argument("--limit", type=int, default=6, help="long prompts evaluated (spread over 2k, 4k, the window)")
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -80,10 +56,11 @@ def main() -> None:
     out: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        out["tokens"] = str(long_chats(args.length, args.chats, tmp / "long.jsonl"))
-        peak, seconds = stage(["extract", "--target", TARGET, "--data", str(tmp / "long.jsonl"), "--out",
-                               str(tmp / "features"), "--max_length", str(args.length), "--dtype", args.dtype,
-                               "--layer_ids", "[2,15,27]"])
+        peak, seconds = stage(["extract", "--target", TARGET, "--data", "sharegpt", "--limit", str(args.chats),
+                               "--pack", str(args.length), "--out", str(tmp / "features"), "--max_length",
+                               str(args.length), "--dtype", args.dtype, "--layer_ids", "[2,15,27]"])
+        manifest = json.loads((tmp / "features" / "manifest.json").read_text())
+        out.update(records=str(manifest["num_records"]), tokens=str(manifest["num_tokens"] // manifest["num_records"]))
         out.update(peak_gib_extract=f"{peak:.2f}", s_extract=f"{seconds:.0f}")
         peak, _ = stage(["fit", "--config", "recipes/smollm2-135m/eagle3-cpu.yaml", "--data.init_args.features_dir",
                          str(tmp / "features"), "--data.init_args.max_length", str(args.length),
