@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith import DraftsmithError
+
 ENGINES = ("transformers", "vllm")  # the engines that run the target in this process (`--engine`)
 
 
@@ -110,8 +112,6 @@ class EngineOptions:
     engine_args: dict[str, Any] | None = None
 
     def check_engine(self) -> None:
-        from draftsmith import DraftsmithError
-
         if self.engine not in ENGINES:
             raise DraftsmithError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine_args and self.engine != "vllm":

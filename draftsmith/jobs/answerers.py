@@ -44,8 +44,8 @@ def require_vllm() -> None:
 
 def vllm_engine_args(own: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's `LLM(...)` arguments: draftsmith's `own` with the user's `--engine_args` added (placement and
-    speed, e.g. tensor_parallel_size, gpu_memory_utilization, enforce_eager); what draftsmith sets itself is
-    refused, naming the option that sets it."""
+    speed, e.g. tensor_parallel_size, gpu_memory_utilization, enforce_eager); an argument draftsmith sets
+    itself is refused by name."""
     clash = sorted(set(extra or {}) & set(own))
     if clash:
         raise DraftsmithError(f"--engine_args {clash}: draftsmith sets {'it' if len(clash) == 1 else 'them'} itself "
