@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -18,6 +19,31 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION, split_of
 from draftsmith.data.features import FeatureReader, read_manifest
+from draftsmith.models.target import identity_differences
+
+
+class Mix:
+    """Which training records an epoch draws from several feature directories.
+
+    `groups`: one (indices, weight, from_epoch) per directory. An epoch draws each record of a group
+    `floor(weight)` times, and a share `weight - floor(weight)` of them once more (another random share
+    every epoch); a group is left out before its `from_epoch` (a length curriculum)."""
+
+    def __init__(self, groups: list[tuple[np.ndarray, float, int]]):
+        self.groups = [(np.asarray(i), float(w), int(e)) for i, w, e in groups]
+
+    def draw(self, epoch: int, rng: np.random.Generator) -> np.ndarray:
+        drawn = []
+        for indices, weight, from_epoch in self.groups:
+            if epoch < from_epoch:
+                continue
+            whole, part = divmod(weight, 1.0)
+            drawn += [indices] * int(whole)
+            if part:
+                drawn.append(rng.choice(indices, size=round(part * len(indices)), replace=False))
+        if not drawn:
+            raise DraftsmithError(f"epoch {epoch} draws no record: every feature directory joins later")
+        return np.concatenate(drawn)
 
 
 class LengthBatchSampler(torch.utils.data.Sampler):
@@ -29,9 +55,10 @@ class LengthBatchSampler(torch.utils.data.Sampler):
     counts that width.
     """
 
-    def __init__(self, lengths: np.ndarray, indices: np.ndarray, max_tokens: int, max_batch_size: int,
+    def __init__(self, lengths: np.ndarray, indices: np.ndarray | Mix, max_tokens: int, max_batch_size: int,
                  shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1, multiple: int = 1):
-        self.lengths, self.indices = np.asarray(lengths), np.asarray(indices)
+        self.lengths = np.asarray(lengths)
+        self.indices = indices if isinstance(indices, Mix) else np.asarray(indices)
         self.widths = -(-self.lengths // multiple) * multiple
         self.max_tokens, self.max_batch_size = max_tokens, max_batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
@@ -43,7 +70,8 @@ class LengthBatchSampler(torch.utils.data.Sampler):
 
     def _batches(self) -> list[list[int]]:
         rng = np.random.default_rng(self.seed + self.epoch)
-        order = rng.permutation(self.indices) if self.shuffle else self.indices.copy()
+        indices = self.indices.draw(self.epoch, rng) if isinstance(self.indices, Mix) else self.indices
+        order = rng.permutation(indices) if self.shuffle else indices.copy()
         order = order[np.argsort(-self.lengths[order], kind="stable")]
         batches, current = [], []
         for i in order.tolist():
@@ -169,6 +197,26 @@ class _LengthBatched(pl.LightningDataModule):
         return self._loader(self.val_indices, shuffle=False)
 
 
+@dataclass
+class MixedFeatures:
+    """A feature directory trained on beside a FeatureDataModule's own (its `mix`).
+
+    Args:
+        features_dir: the directory `draftsmith extract --out` wrote (the same target and layers).
+        weight: the share of its training records an epoch draws (1.0: each once; 2.0: each twice).
+        from_epoch: the first epoch that draws from it (0: from the start).
+    """
+
+    features_dir: str
+    weight: float = 1.0
+    from_epoch: int = 0
+
+    def check(self) -> None:
+        if not self.weight > 0 or self.from_epoch < 0:
+            raise DraftsmithError(f"data.mix: {self.features_dir} has weight {self.weight} and from_epoch "
+                                  f"{self.from_epoch}; a weight must be > 0 and from_epoch >= 0")
+
+
 class FeatureDataModule(_LengthBatched):
     """Offline features: reads the shards written by `draftsmith extract`.
 
@@ -188,14 +236,23 @@ class FeatureDataModule(_LengthBatched):
         limit: the conversation limit, for that hint.
         chat_template: the target's chat template, for that hint (the CLI links it from the model's).
         template_kwargs: the variables set in it, for that hint (the CLI links them from the model's).
+        mix: more feature directories of the same target and layers trained on beside `features_dir`, each
+            with the share of its training records an epoch draws (`weight`, 1.0 = each once, as
+            `features_dir`'s) and the epoch it joins from (`from_epoch`: a length curriculum), e.g. packed
+            long chats beside short ones (docs/training.md, Long contexts). Validation reads every
+            directory's held-out records once.
     """
 
     def __init__(self, features_dir: str, layer_ids: list[int] | None = None, val_fraction: float = VAL_FRACTION,
                  max_tokens: int = 16384, max_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
                  target: str | None = None, data: str = "sharegpt", max_length: int = 2048, limit: int | None = None,
-                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None):
+                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 mix: list[MixedFeatures] | None = None):
         super().__init__()
         self.features_dir, self.layer_ids = features_dir, list(layer_ids or [])
+        self.mix = [MixedFeatures(**m) if isinstance(m, dict) else m for m in mix or []]
+        for m in self.mix:
+            m.check()
         self.val_fraction, self.max_tokens, self.max_batch_size = val_fraction, max_tokens, max_batch_size
         self.num_workers, self.seed = num_workers, seed
         self.hint = dict(target=target, data=data, max_length=max_length, limit=limit, chat_template=chat_template,
@@ -225,42 +282,58 @@ class FeatureDataModule(_LengthBatched):
             layers = self.layer_ids or (module.feature_layer_ids() if isinstance(module, ReadsFeatureLayers) else [])
             raise DraftsmithError(f"{e}\nmake the features with:\n  {self.extract_command(layers)}") from None
         self.reader = FeatureReader(self.features_dir, self.layer_ids)
-        self.dataset, self.lengths = self.reader, self.reader.lengths
-        self._split(self.reader.ids)
+        self.readers = [self.reader] + [FeatureReader(m.features_dir, self.layer_ids) for m in self.mix]
+        for m, reader in zip(self.mix, self.readers[1:]):
+            diffs = identity_differences(reader.manifest["target"], self.reader.manifest["target"],
+                                         f"in {m.features_dir}", f"in {self.features_dir}")
+            if diffs:
+                raise DraftsmithError(f"data.mix: {m.features_dir} holds another target's features than "
+                                      f"{self.features_dir} ({'; '.join(diffs)})")
+        self.dataset = torch.utils.data.ConcatDataset(self.readers)
+        self.lengths = np.concatenate([r.lengths for r in self.readers])
+        self._split([i for r in self.readers for i in r.ids])
+        if self.mix:
+            starts = np.cumsum([0] + [len(r) for r in self.readers])
+            groups = [(1.0, 0)] + [(m.weight, m.from_epoch) for m in self.mix]
+            self.train_indices = Mix([(self.train_indices[(self.train_indices >= a) & (self.train_indices < b)], w, e)
+                                      for a, b, (w, e) in zip(starts[:-1], starts[1:], groups)])
 
     def check_compatible(self, identity: dict[str, Any], aux_layer_ids: list[int]) -> None:
         """Refuse features from another target; load the aux layers the drafter fuses."""
-        from draftsmith.models.target import identity_differences
-
-        manifest = self.reader.manifest
-        diffs = identity_differences(manifest["target"], identity, "in the features", "for the drafter")
-        if diffs:
-            raise DraftsmithError(
-                f"features in {self.features_dir} come from another target ({'; '.join(diffs)}); "
-                f"re-extract them for this target:\n  {self.extract_command(aux_layer_ids)}"
-            )
-        missing = [i for i in aux_layer_ids if i not in manifest["layer_ids"]]
-        if missing:
-            raise DraftsmithError(
-                f"features in {self.features_dir} hold layers {manifest['layer_ids']}, the drafter fuses "
-                f"{aux_layer_ids} (missing {missing}); re-extract:\n  {self.extract_command(aux_layer_ids)}"
-            )
-        self.reader.layer_ids = list(aux_layer_ids)
+        for directory, reader in zip([self.features_dir] + [m.features_dir for m in self.mix], self.readers):
+            manifest = reader.manifest
+            diffs = identity_differences(manifest["target"], identity, "in the features", "for the drafter")
+            if diffs:
+                raise DraftsmithError(
+                    f"features in {directory} come from another target ({'; '.join(diffs)}); "
+                    f"re-extract them for this target:\n  {self.extract_command(aux_layer_ids)}"
+                )
+            missing = [i for i in aux_layer_ids if i not in manifest["layer_ids"]]
+            if missing:
+                raise DraftsmithError(
+                    f"features in {directory} hold layers {manifest['layer_ids']}, the drafter fuses "
+                    f"{aux_layer_ids} (missing {missing}); re-extract:\n  {self.extract_command(aux_layer_ids)}"
+                )
+        for reader in self.readers:
+            reader.layer_ids = list(aux_layer_ids)
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """How often each token id is an assistant token in the training split, (V,)."""
+        """How often each token id is an assistant token in the training split (of every directory), (V,)."""
         counts = torch.zeros(vocab_size, dtype=torch.long)
-        train = set(self.train_indices.tolist())
+        train = self.train_indices
+        train = set((np.concatenate([g[0] for g in train.groups]) if isinstance(train, Mix) else train).tolist())
         start = 0
-        for s, shard in enumerate(self.reader.manifest["shards"]):
-            f = self.reader._file(s)
-            ids, mask, offsets = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool(), f.get_tensor("offsets")
-            keep = torch.zeros_like(mask)
-            for r in range(len(offsets) - 1):
-                if start + r in train:
-                    keep[offsets[r]:offsets[r + 1]] = True
-            start += len(offsets) - 1
-            counts += torch.bincount(ids[mask & keep], minlength=vocab_size)[:vocab_size]
+        for reader in self.readers:
+            for s in range(len(reader.manifest["shards"])):
+                f = reader._file(s)
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+                offsets = f.get_tensor("offsets")
+                keep = torch.zeros_like(mask)
+                for r in range(len(offsets) - 1):
+                    if start + r in train:
+                        keep[offsets[r]:offsets[r + 1]] = True
+                start += len(offsets) - 1
+                counts += torch.bincount(ids[mask & keep], minlength=vocab_size)[:vocab_size]
         return counts
 
 

@@ -129,3 +129,48 @@ def test_missing_manifest_says_what_to_run(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(fake_run()))
     with pytest.raises(DraftsmithError, match="rerun the same `draftsmith extract` command"):
         FeatureReader(tmp_path)
+
+
+def test_mix_draws_each_directory_by_its_weight_and_from_its_epoch(tmp_path):
+    short, long = tmp_path / "short", tmp_path / "long"
+    write_fake(short, 10)
+    write_fake(long, 10, seed=1)
+    dm = FeatureDataModule(str(short), layer_ids=[1], val_fraction=0.3, max_tokens=64,
+                           mix=[{"features_dir": str(long), "weight": 0.5, "from_epoch": 1}])
+    dm.setup("fit")
+    assert len(dm.dataset) == 80
+    loader = dm.train_dataloader()
+    sampler = loader.batch_sampler
+    (own, _, _), (other, weight, joins) = dm.train_indices.groups
+    assert set(own.tolist()) < set(range(40)) and set(other.tolist()) < set(range(40, 80))
+    assert (weight, joins) == (0.5, 1)
+    first = [i for b in sampler for i in b]
+    assert sorted(first) == sorted(own.tolist())  # epoch 0: the curriculum's first directory alone
+    sampler.set_epoch(1)
+    second = [i for b in sampler for i in b]
+    drawn = [i for i in second if i >= 40]
+    assert len(drawn) == round(0.5 * len(other)) and len(set(drawn)) == len(drawn)
+    assert sorted(i for i in second if i < 40) == sorted(own.tolist())
+    sampler.set_epoch(2)
+    assert sorted(i for b in sampler for i in b if i >= 40) != sorted(drawn)  # another half every epoch
+    batch = next(iter(loader))
+    assert batch["aux"].shape[-1] == H
+    # validation reads both directories' held-out records once; nothing held out is trained on
+    val = [i for b in dm.val_dataloader().batch_sampler for i in b]
+    assert any(i >= 40 for i in val) and not set(val) & (set(own.tolist()) | set(other.tolist()))
+    counts = dm.token_counts(50)
+    assert counts.sum() == sum(int(dm.dataset[i]["loss_mask"].sum()) for i in list(own) + list(other))
+
+
+def test_mix_refuses_a_weight_that_draws_nothing_and_another_target(tmp_path):
+    write_fake(tmp_path / "a", 2)
+    with pytest.raises(DraftsmithError, match="weight must be > 0"):
+        FeatureDataModule(str(tmp_path / "a"), mix=[{"features_dir": str(tmp_path / "a"), "weight": 0}])
+    other = tmp_path / "b"
+    run = fake_run(target={**fake_run()["target"], "tokenizer_hash": "zzz"})
+    claim_directory(other, run, "features")
+    write_shard(other, 0, [], {"run": run, "skipped": {}, "truncated": {}}, [1], H, torch.float32)
+    build_manifest(other, 1, None)
+    dm = FeatureDataModule(str(tmp_path / "a"), mix=[{"features_dir": str(other)}])
+    with pytest.raises(DraftsmithError, match="another target"):
+        dm.setup("fit")
