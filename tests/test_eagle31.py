@@ -69,3 +69,32 @@ def test_eagle31_trains_its_steps_under_bf16_autocast(options):
         loss = sum(drafter.logits(h).float().logsumexp(-1).mean() for h in hiddens)
     loss.backward()
     assert {h.dtype for h in hiddens} == {feature.dtype} and drafter.fc.weight.grad is not None
+
+
+def test_a_drafters_own_rope_base_trains_exports_and_decodes(tiny_features, tmp_path):
+    """`rope_theta` (the eagle3 family): the draft layer rotates by its own base, and every export's config
+    carries it, so the runtime and the engines rotate as training did (tests/engines checks the package's
+    logits with it)."""
+    from draftsmith.models.eagle3 import Eagle3Drafter
+
+    config, w = tiny_drafter_inputs()
+    own = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32, rope_theta=1e6)
+    plain = Eagle3Drafter.from_target(config, w, w, None, None, 3, 32)
+    positions, like = torch.arange(64)[None], torch.zeros(1, 64, 32)
+    assert own.config.rope_parameters["rope_theta"] == 1e6 != plain.config.rope_parameters["rope_theta"]
+    assert not torch.allclose(own.rotary(like, positions)[0], plain.rotary(like, positions)[0])
+    assert own.options["rope_theta"] == 1e6 and "rope_theta" not in plain.options
+
+    ckpt = train(tiny_features, tmp_path, kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2], rope_theta=1e6)
+    for fmt in ("native", "eagle3", "speculators"):  # each export is reloaded and compared with the module
+        done = run_cli("export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "eagle3" / "vllm" / "config.json").read_text())["rope_theta"] == 1e6
+    assert json.loads((tmp_path / "speculators" / "config.json").read_text())[
+        "transformer_layer_config"]["rope_theta"] == 1e6
+    assert json.loads((tmp_path / "native" / "config.json").read_text())["drafter_options"]["rope_theta"] == 1e6
+    result = run_cli("eval", "--target", str(tiny_features / "target"), "--drafter", str(tmp_path / "native"),
+                     "--limit", "2", "--repeats", "1", "--max_new_tokens", "12", "--dtype", "float32",
+                     "--policy", "static", "--k", "3", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "eval" / "results.json").read_text())["identical_outputs"] is True

@@ -43,11 +43,12 @@ def target_rope(config: Any) -> dict[str, Any]:
     return params
 
 
-def drafter_config(target_config: Any) -> Any:
+def drafter_config(target_config: Any, rope_theta: float | None = None) -> Any:
     """A one-layer Llama config of the target's sizes (hidden, MLP width, heads, head dim, rope), with a
     SiLU MLP, no biases and sdpa attention: the layer every feature drafter is built of, in the layout
     every engine loads an EAGLE drafter in whatever the target's activation and biases. An MoE
-    target's MLP width is its dense `intermediate_size`."""
+    target's MLP width is its dense `intermediate_size`. `rope_theta`: the drafter's own RoPE base in
+    place of the target's (its exports' configs carry it, so the engines rotate alike)."""
     from transformers import LlamaConfig
 
     t = target_config.get_text_config()
@@ -58,7 +59,8 @@ def drafter_config(target_config: Any) -> Any:
         num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, hidden_act="silu",
         max_position_embeddings=getattr(t, "max_position_embeddings", 4096), rms_norm_eps=t.rms_norm_eps,
-        rope_parameters=target_rope(t), attention_bias=False,
+        rope_parameters={**target_rope(t), **({"rope_theta": float(rope_theta)} if rope_theta else {})},
+        attention_bias=False,
         initializer_range=getattr(t, "initializer_range", 0.02), tie_word_embeddings=False,
         bos_token_id=getattr(t, "bos_token_id", None), eos_token_id=getattr(t, "eos_token_id", None),
         pad_token_id=getattr(t, "pad_token_id", None))

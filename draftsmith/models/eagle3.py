@@ -56,21 +56,24 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
-    OPTIONS = OPTIONS
+    OPTIONS = (*OPTIONS, "rope_theta")
     parallel = False  # drafts a token a forward (see PEagleDrafter)
 
     def __init__(self, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  norm_weight: torch.Tensor | None, draft_ids: torch.Tensor, num_aux: int, target_hidden_size: int,
-                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False):
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                 rope_theta: float | None = None):
         super().__init__()
         if fc_norm and norm_before_fc:
             raise DraftsmithError("fc_norm (a norm per fused layer) and norm_before_fc (one on all of them) exclude "
                                   "each other: choose one")
-        self.config = drafter_config(target_config)
+        self.config = drafter_config(target_config, rope_theta)
         classes = layer_classes()
         h, v = self.config.hidden_size, embed_weight.shape[0]
         eps = self.config.rms_norm_eps
         self.options = {"fc_norm": fc_norm, "norm_before_fc": norm_before_fc, "norm_output": norm_output}
+        if rope_theta is not None:
+            self.options["rope_theta"] = float(rope_theta)
         self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
         self.fc_norm = nn.ModuleList([classes.norm(target_hidden_size, eps=eps) for _ in range(num_aux)]) \
             if fc_norm else None
@@ -106,9 +109,9 @@ class Eagle3Drafter(nn.Module):
     @classmethod
     def from_target(cls, target_config: Any, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                     norm_weight: torch.Tensor | None, draft_ids: torch.Tensor | None, num_aux: int,
-                    target_hidden_size: int, **options: bool) -> "Eagle3Drafter":
+                    target_hidden_size: int, **options: Any) -> "Eagle3Drafter":
         """The constructor every feature drafter kind shares (`models/registry.py`); no draft_ids: the
-        target's whole vocabulary; `options`: EAGLE-3.1's (`OPTIONS`)."""
+        target's whole vocabulary; `options`: EAGLE-3.1's and the RoPE base (`OPTIONS`)."""
         return build_from_target(cls, "EAGLE-3", cls.OPTIONS, target_config, embed_weight, head_weight, norm_weight,
                                  draft_ids, num_aux, target_hidden_size, options)
 
@@ -155,7 +158,7 @@ class PEagleDrafter(Eagle3Drafter):
     positions before it, and drafts the token its depth predicts. Trained on the alignment steps with
     those inputs in place of the drafter's own tokens and outputs (`train/alignment.alignment_hiddens`)."""
 
-    OPTIONS = (*OPTIONS, "mask_token_id")
+    OPTIONS = (*Eagle3Drafter.OPTIONS, "mask_token_id")
     parallel = True  # its steps after the first read `mask_inputs` and run in one forward
 
     def __init__(self, *args: Any, mask_token_id: int = 0, **options: bool):

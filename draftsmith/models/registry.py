@@ -134,12 +134,12 @@ EAGLE3 = DrafterKind(
     trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "eagle3", "speculators"),
     frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True,
     speculators_algorithm="eagle3", speculators_architecture="Eagle3Speculator",
-    options=("fc_norm", "norm_before_fc", "norm_output"))
+    options=("fc_norm", "norm_before_fc", "norm_output", "rope_theta"))
 PEAGLE = DrafterKind(
     name="peagle", title="a P-EAGLE drafter", model="draftsmith.models.eagle3:PEagleDrafter",
     trainer="draftsmith.train.drafter:DrafterModule", formats=("native", "speculators"),
     frozen=("embed_tokens.weight",), fused_layers=True, pruned_vocab=True, speculators_algorithm="peagle",
-    speculators_architecture="PEagleSpeculator", options=("fc_norm", "norm_before_fc", "norm_output", "mask_token_id"))
+    speculators_architecture="PEagleSpeculator", options=("fc_norm", "norm_before_fc", "norm_output", "rope_theta", "mask_token_id"))
 _BLOCK_OPTIONS = ("block_size", "draft_layers", "mask_token_id", "markov_rank", "confidence_head")
 DFLASH = DrafterKind(
     name="dflash", title="a DFlash block drafter", model="draftsmith.models.block:BlockDrafter",

@@ -41,10 +41,11 @@ def test_every_familys_drafter_loads_in_the_speculators_package(family, arm, tmp
     AS_TRAINED[arm_kind(arm).name](ckpt, tmp_path / "spec", monkeypatch)
 
 
-@pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+@pytest.mark.parametrize("options", [{"fc_norm": True, "norm_output": True},
+                                     {"norm_before_fc": True, "rope_theta": 1e6}])
 def test_the_speculators_package_drafts_what_an_eagle31_drafter_drafts(tiny_features, tmp_path, options):
-    """EAGLE-3.1's norms (per fused layer or on all of them; the output normed): the package reads the flags
-    and tensors and drafts what the trained module drafts."""
+    """EAGLE-3.1's norms (per fused layer or on all of them; the output normed) and a drafter's own RoPE base:
+    the package reads the flags, tensors and base and drafts what the trained module drafts."""
     from tests.conftest import train
 
     ckpt = train(tiny_features, tmp_path / "fit", kind="eagle3", draft_vocab_size=40, aux_layer_ids=[0, 1, 2], **options)

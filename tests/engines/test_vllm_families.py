@@ -45,7 +45,7 @@ json.dump({"tokens": list(out[0].outputs[0].token_ids), "drafts": drafts}, open(
 
 
 @pytest.mark.parametrize("family, options", [engine_case(family, {}, ci=("llama", "gemma3_text")) for family in FAMILIES]
-                         + [("llama", {"fc_norm": True, "norm_output": True})])  # and EAGLE-3.1's norms
+                         + [("llama", {"fc_norm": True, "norm_output": True, "rope_theta": 1e6})])  # EAGLE-3.1, own RoPE
 def test_vllm_serves_every_familys_eagle3_export_beside_its_target(family, options, tmp_path):
     from draftsmith.export import export
 
