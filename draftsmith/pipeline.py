@@ -108,10 +108,13 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     model, data = raw["model"]["init_args"], raw["data"]["init_args"]
     if "features_dir" not in data:
         return
+    needed = _layers_needed(model, data)
+    for mixed in data.get("mix") or []:  # FeatureDataModule's `mix`: more directories, made as each says
+        _ensure_mixed(mixed, model, needed, recipe, console, title)
     out = Path(data["features_dir"])
     chats = {"data": data.get("data", "sharegpt"), "limit": data.get("limit"), "max_length": data.get("max_length", 2048)}
     _check_feature_source(out, chats, model, recipe)
-    needed, held, lacking = _layers_needed(model, data), None, False
+    held, lacking = None, False
     if (out / MANIFEST_FILE).is_file():
         manifest = read_manifest(out)
         held = manifest["layer_ids"]
@@ -134,6 +137,31 @@ def ensure_features(recipe: Path, console: Any, title: str = "extract") -> None:
     if dest != out:
         shutil.rmtree(out)
         dest.rename(out)
+    console.print(summary_table(manifest, str(out)))
+
+
+def _ensure_mixed(mixed: dict[str, Any], model: dict[str, Any], needed: list[int], recipe: Path, console: Any,
+                  title: str) -> None:
+    """Extract a directory of a recipe's `data.init_args.mix` when it has no features yet (a partial extraction
+    resumes); refuse one made from other chats or without the layers the drafter fuses."""
+    from draftsmith.data.features import read_manifest
+    from draftsmith.data.modules import MixedFeatures
+    from draftsmith.data.shards import MANIFEST_FILE
+    from draftsmith.jobs.extract import ExtractConfig, extract, summary_table
+
+    m = MixedFeatures(**mixed)
+    out = Path(m.features_dir)
+    _check_feature_source(out, {"data": m.data, "max_length": m.max_length}, model, recipe)
+    if (out / MANIFEST_FILE).is_file():
+        held = read_manifest(out)["layer_ids"]
+        if not set(needed) <= set(held):
+            raise DraftsmithError(f"{out} (data.mix) holds layers {held}; {recipe} needs {needed}: delete it and "
+                                  "rerun, and draftsmith extracts it again")
+        return
+    console.rule(f"[bold]{title} {out.name}")
+    manifest = extract(ExtractConfig(target=model["target"], chat_template=model.get("chat_template"),
+                                     template_kwargs=model.get("template_kwargs"), out=str(out), layer_ids=needed,
+                                     data=m.data, limit=m.limit, max_length=m.max_length, pack=m.pack))
     console.print(summary_table(manifest, str(out)))
 
 

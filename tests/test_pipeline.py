@@ -130,3 +130,33 @@ def test_a_shared_feature_directory_is_re_extracted_with_the_layers_a_recipe_add
     other.write_text(yaml.safe_dump(cfg))
     with pytest.raises(DraftsmithError, match=r"another target \(the target's tokenizer or chat template"):
         ensure_features(other, console)
+
+
+def test_a_recipes_mixed_directories_are_extracted_as_each_says_and_trained_on(tmp_path):
+    """`data.init_args.mix`: `run` extracts each mixed directory as its entry says (here the same chats packed
+    two to a sequence), and fit trains on both directories."""
+    from rich.console import Console
+
+    from draftsmith.data.features import read_manifest
+    from draftsmith.pipeline import ensure_features
+
+    root = tmp_path / "tiny"
+    save_tiny_target(root / "target")
+    (root / "chats.json").write_text(json.dumps(sample_chats(12)))
+    path = recipe(root, tmp_path / "mixed", kind="eagle3", aux_layer_ids=[0, 2])
+    cfg = yaml.safe_load(path.read_text())
+    packed = root / "packed"
+    cfg["data"]["init_args"].update(data=str(root / "chats.json"), max_length=128, max_tokens=512, mix=[
+        {"features_dir": str(packed), "weight": 0.5, "data": str(root / "chats.json"), "max_length": 256,
+         "pack": 256}])
+    path.write_text(yaml.safe_dump(cfg))
+    ensure_features(path, Console(quiet=True))
+    short, long = read_manifest(root / "features"), read_manifest(packed)
+    assert long["layer_ids"] == short["layer_ids"] == [0, 2] and long["data"]["pack"] == 256
+    assert long["num_records"] < short["num_records"] and long["num_tokens"] >= short["num_tokens"]
+    done = run_cli("fit", "--config", str(path), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg["data"]["init_args"]["mix"][0]["max_length"] = 512  # the directory is of other chats now: refused
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(DraftsmithError, match="max_length: 256 there, 512 in the recipe"):
+        ensure_features(path, Console(quiet=True))

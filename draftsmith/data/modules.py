@@ -205,11 +205,19 @@ class MixedFeatures:
         features_dir: the directory `draftsmith extract --out` wrote (the same target and layers).
         weight: the share of its training records an epoch draws (1.0: each once; 2.0: each twice).
         from_epoch: the first epoch that draws from it (0: from the start).
+        data: the chat source `draftsmith run` extracts it from when it is missing.
+        limit: the conversation limit of that extraction.
+        max_length: its max length.
+        pack: its packing (`extract --pack`; 0: each chat alone).
     """
 
     features_dir: str
     weight: float = 1.0
     from_epoch: int = 0
+    data: str = "sharegpt"
+    limit: int | None = None
+    max_length: int = 2048
+    pack: int = 0
 
     def check(self) -> None:
         if not self.weight > 0 or self.from_epoch < 0:
