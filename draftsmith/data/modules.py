@@ -197,6 +197,14 @@ class _LengthBatched(pl.LightningDataModule):
         return self._loader(self.val_indices, shuffle=False)
 
 
+class _Directories(torch.utils.data.ConcatDataset):
+    """Several feature directories' records as one dataset, their ids in the same order."""
+
+    def __init__(self, readers: list[FeatureReader]):
+        super().__init__(readers)
+        self.ids = [i for r in readers for i in r.ids]
+
+
 @dataclass
 class MixedFeatures:
     """A feature directory trained on beside a FeatureDataModule's own (its `mix`).
@@ -297,9 +305,9 @@ class FeatureDataModule(_LengthBatched):
             if diffs:
                 raise DraftsmithError(f"data.mix: {m.features_dir} holds another target's features than "
                                       f"{self.features_dir} ({'; '.join(diffs)})")
-        self.dataset = torch.utils.data.ConcatDataset(self.readers)
+        self.dataset = self.reader if not self.mix else _Directories(self.readers)
         self.lengths = np.concatenate([r.lengths for r in self.readers])
-        self._split([i for r in self.readers for i in r.ids])
+        self._split(self.dataset.ids)
         if self.mix:
             starts = np.cumsum([0] + [len(r) for r in self.readers])
             groups = [(1.0, 0)] + [(m.weight, m.from_epoch) for m in self.mix]
