@@ -59,7 +59,7 @@ def plot(arms: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.9))
     sets = list(next(iter(arms.values()))["per_set"])
     width = 0.8 / len(arms)
     for i, (name, results) in enumerate(arms.items()):
@@ -71,13 +71,13 @@ def plot(arms: dict[str, dict], path: Path) -> None:
     ax.set_xlabel("context position (tokens) at which the round drafted")
     ax.set_ylabel("α_1, the first drafted token")
     ax.set_title("acceptance by context position")
-    ax.legend(fontsize=8)
     bx.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
     bx.set_ylim(1.0, max(r["per_set"][s]["tau"] for r in arms.values() for s in r["per_set"]) + 0.3)
     bx.set_ylabel("τ (tokens a round)")
     bx.set_title("τ by prompt set")
-    bx.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()  # one legend for both panels, below them
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -145,7 +145,7 @@ def _ensure_mixed(mixed: dict[str, Any], model: dict[str, Any], needed: list[int
     """Extract a directory of a recipe's `data.init_args.mix` when it has no features yet (a partial extraction
     resumes); refuse one made from other chats or without the layers the drafter fuses."""
     from draftsmith.data.features import read_manifest
-    from draftsmith.data.modules import MixedFeatures
+    from draftsmith.data.mixing import MixedFeatures
     from draftsmith.data.shards import MANIFEST_FILE
     from draftsmith.jobs.extract import ExtractConfig, extract, summary_table
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -19,31 +18,8 @@ import torch
 from draftsmith import DraftsmithError
 from draftsmith.data.conversations import VAL_FRACTION, split_of
 from draftsmith.data.features import FeatureReader, read_manifest
+from draftsmith.data.mixing import Directories, Mix, MixedFeatures
 from draftsmith.models.target import identity_differences
-
-
-class Mix:
-    """Which training records an epoch draws from several feature directories.
-
-    `groups`: one (indices, weight, from_epoch) per directory. An epoch draws each record of a group
-    `floor(weight)` times, and a share `weight - floor(weight)` of them once more (another random share
-    every epoch); a group is left out before its `from_epoch` (a length curriculum)."""
-
-    def __init__(self, groups: list[tuple[np.ndarray, float, int]]):
-        self.groups = [(np.asarray(i), float(w), int(e)) for i, w, e in groups]
-
-    def draw(self, epoch: int, rng: np.random.Generator) -> np.ndarray:
-        drawn = []
-        for indices, weight, from_epoch in self.groups:
-            if epoch < from_epoch:
-                continue
-            whole, part = divmod(weight, 1.0)
-            drawn += [indices] * int(whole)
-            if part:
-                drawn.append(rng.choice(indices, size=round(part * len(indices)), replace=False))
-        if not drawn:
-            raise DraftsmithError(f"epoch {epoch} draws no record: every feature directory joins later")
-        return np.concatenate(drawn)
 
 
 class LengthBatchSampler(torch.utils.data.Sampler):
@@ -197,42 +173,6 @@ class _LengthBatched(pl.LightningDataModule):
         return self._loader(self.val_indices, shuffle=False)
 
 
-class _Directories(torch.utils.data.ConcatDataset):
-    """Several feature directories' records as one dataset, their ids in the same order."""
-
-    def __init__(self, readers: list[FeatureReader]):
-        super().__init__(readers)
-        self.ids = [i for r in readers for i in r.ids]
-
-
-@dataclass
-class MixedFeatures:
-    """A feature directory trained on beside a FeatureDataModule's own (its `mix`).
-
-    Args:
-        features_dir: the directory `draftsmith extract --out` wrote (the same target and layers).
-        weight: the share of its training records an epoch draws (1.0: each once; 2.0: each twice).
-        from_epoch: the first epoch that draws from it (0: from the start).
-        data: the chat source `draftsmith run` extracts it from when it is missing.
-        limit: the conversation limit of that extraction.
-        max_length: its max length.
-        pack: its packing (`extract --pack`; 0: each chat alone).
-    """
-
-    features_dir: str
-    weight: float = 1.0
-    from_epoch: int = 0
-    data: str = "sharegpt"
-    limit: int | None = None
-    max_length: int = 2048
-    pack: int = 0
-
-    def check(self) -> None:
-        if not self.weight > 0 or self.from_epoch < 0:
-            raise DraftsmithError(f"data.mix: {self.features_dir} has weight {self.weight} and from_epoch "
-                                  f"{self.from_epoch}; a weight must be > 0 and from_epoch >= 0")
-
-
 class FeatureDataModule(_LengthBatched):
     """Offline features: reads the shards written by `draftsmith extract`.
 
@@ -305,7 +245,7 @@ class FeatureDataModule(_LengthBatched):
             if diffs:
                 raise DraftsmithError(f"data.mix: {m.features_dir} holds another target's features than "
                                       f"{self.features_dir} ({'; '.join(diffs)})")
-        self.dataset = self.reader if not self.mix else _Directories(self.readers)
+        self.dataset = self.reader if not self.mix else Directories(self.readers)
         self.lengths = np.concatenate([r.lengths for r in self.readers])
         self._split(self.dataset.ids)
         if self.mix:
