@@ -239,12 +239,6 @@ class FeatureDataModule(_LengthBatched):
             raise DraftsmithError(f"{e}\nmake the features with:\n  {self.extract_command(layers)}") from None
         self.reader = FeatureReader(self.features_dir, self.layer_ids)
         self.readers = [self.reader] + [FeatureReader(m.features_dir, self.layer_ids) for m in self.mix]
-        for m, reader in zip(self.mix, self.readers[1:]):
-            diffs = identity_differences(reader.manifest["target"], self.reader.manifest["target"],
-                                         f"in {m.features_dir}", f"in {self.features_dir}")
-            if diffs:
-                raise DraftsmithError(f"data.mix: {m.features_dir} holds another target's features than "
-                                      f"{self.features_dir} ({'; '.join(diffs)})")
         self.dataset = self.reader if not self.mix else Directories(self.readers)
         self.lengths = np.concatenate([r.lengths for r in self.readers])
         self._split(self.dataset.ids)

@@ -72,7 +72,7 @@ class Eagle3Drafter(nn.Module):
         h, v = self.config.hidden_size, embed_weight.shape[0]
         eps = self.config.rms_norm_eps
         self.options = {"fc_norm": fc_norm, "norm_before_fc": norm_before_fc, "norm_output": norm_output}
-        if rope_theta is not None:
+        if rope_theta:  # unset (None, or False from a module without the option): the target's base
             self.options["rope_theta"] = float(rope_theta)
         self.embed_tokens = frozen_embedding(embed_weight)  # (V, H), the target's
         self.fc_norm = nn.ModuleList([classes.norm(target_hidden_size, eps=eps) for _ in range(num_aux)]) \

@@ -106,7 +106,8 @@ class FeatureDrafting:
                  draft_vocab_size: int | None = None, ce_weight: float = 0.1, target_temperature: float = 1.0,
                  acceptance_weight: float = 0.0, acceptance_loss: str = "hybrid", acceptance_eta: float = 3.0,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
-                 rope_theta: float | None = None, mask_token_id: int | None = None, train_on: str = "assistant", init_layer: int | None = None,
+                 rope_theta: float | None = None, mask_token_id: int | None = None, train_on: str = "assistant",
+                 init_layer: int | None = None,
                  optimizer: str = "adamw", muon_ns_steps: int = NS_STEPS, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  metric_top_k: int = 5, target_dtype: str = "float32", chat_template: str | None = None,
@@ -171,8 +172,6 @@ class FeatureDrafting:
     def _drafter_options(self, hparams: Mapping[str, Any], target: Any) -> dict[str, Any]:
         """The kind's model options (`DrafterKind.options`) as the module's hyper-parameters set them."""
         options = {k: hparams.get(k, False) for k in self.kind.options}
-        if "rope_theta" in options and not options["rope_theta"]:
-            del options["rope_theta"]  # the target's
         if "mask_token_id" in options and options["mask_token_id"] in (None, False):
             tok = target.tokenizer
             options["mask_token_id"] = next(i for i in (tok.unk_token_id, tok.pad_token_id, tok.eos_token_id, 0)

@@ -172,5 +172,6 @@ def test_mix_refuses_a_weight_that_draws_nothing_and_another_target(tmp_path):
     write_shard(other, 0, [], {"run": run, "skipped": {}, "truncated": {}}, [1], H, torch.float32)
     build_manifest(other, 1, None)
     dm = FeatureDataModule(str(tmp_path / "a"), mix=[{"features_dir": str(other)}])
-    with pytest.raises(DraftsmithError, match="another target"):
-        dm.setup("fit")
+    dm.setup("fit")
+    with pytest.raises(DraftsmithError, match="another target"):  # every directory is checked against the drafter's
+        dm.check_compatible(fake_run()["target"], [1])
