@@ -218,6 +218,23 @@ def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float | 
     return threshold, k
 
 
+def tuned_length_note(cfg: DecodeOptions, section: dict[str, Any]) -> str | None:
+    """What to say when the policy decodes with a setting `tune` chose on answers of another length (half or
+    twice --max_new_tokens or further): the best draft length grows with the answer's (dynamic_length.py)."""
+    from draftsmith.models.loading import tuned_choice
+    from draftsmith.runtime.policies import policy_kind
+
+    kind = policy_kind(cfg.policy)
+    given = cfg.stop_threshold if kind.head else cfg.threshold
+    chosen = tuned_choice(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned and given is None else None
+    tuned_at = (chosen or {}).get("prompts", {}).get("max_new_tokens")
+    if not tuned_at or tuned_at / 2 < cfg.max_new_tokens < tuned_at * 2:
+        return None
+    return (f"--policy {cfg.policy} decodes with what tune chose on {tuned_at}-token answers, this run {cfg.max_new_tokens}: "
+            f"the best draft length changes with the answer's; `draftsmith tune --max_new_tokens {cfg.max_new_tokens}` "
+            "chooses for this length")
+
+
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
 DEFAULT_THRESHOLD = 0.4  # the confidence rule's and BiLD's fallback threshold where none is given or tuned
 
@@ -299,6 +316,8 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     if policy.tuned:  # every policy with a head is tuned too
         threshold, k = stop_settings(cfg, stop_head[1] if stop_head else {})
         description += f", {policy.name} {'stop head' if policy.head else 'policy'} (threshold {threshold:g}, at most {k})"
+        if note := tuned_length_note(cfg, stop_head[1] if stop_head else {}):
+            console.print(f"[yellow]note:[/] {note}")
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]
     chats = reference_chats(tok, [p for p in prompts if p["set"] == "heldout" and p["turn"] == "1"]) \

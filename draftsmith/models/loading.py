@@ -92,12 +92,19 @@ def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False,
     (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
     tuned for tree rounds (`tune --tree`), else the chains'. `profile`: the settings chosen for that cost
     profile (`tune --cost_profile`, filed as `greedy@NAME`), None where it was never tuned for it."""
+    chosen = tuned_choice(section, greedy, tree, profile)
+    # exports tuned before the draft length was called k everywhere name it max_k
+    return None if chosen is None else (chosen["threshold"], chosen.get("k", chosen.get("max_k")))
+
+
+def tuned_choice(section: dict[str, Any], greedy: bool, tree: bool = False,
+                 profile: str | None = None) -> dict[str, Any] | None:
+    """The whole choice `tuned_settings` reads its (threshold, k) from: with the grid, the profile and the
+    prompts it was decoded on (`prompts.max_new_tokens`: the answer length it was chosen for)."""
     tuned = section.get("tuned", {})
     at = f"@{profile}" if profile else ""
     keys = [tuned_key(g, t) + at for t in ((True, False) if tree else (False,)) for g in (greedy, not greedy)]
-    chosen = next((tuned[k] for k in keys if k in tuned), None)
-    # exports tuned before the draft length was called k everywhere name it max_k
-    return None if chosen is None else (chosen["threshold"], chosen.get("k", chosen.get("max_k")))
+    return next((tuned[k] for k in keys if k in tuned), None)
 
 
 def update_stop_heads(directory: str | Path, kind: str, section: dict[str, Any],

@@ -164,6 +164,22 @@ def test_a_stop_head_on_a_tree_may_draft_as_deep_as_the_tree():
     assert stop_settings(EvalConfig(target="", policy="disco", tree="6,4,12", temperature=0), tuned) == (0.3, 6)
 
 
+def test_eval_says_when_it_decodes_at_another_length_than_tune_chose_on():
+    """A choice filed on 96-token answers (static K 1) lost to K 2-3 at 256 (dynamic_length.py): eval names the
+    lengths and the tune that chooses for its own, and says nothing at a like length or with a given threshold."""
+    from draftsmith.eval.evaluate import tuned_length_note
+
+    tuned = {"tuned": {"greedy": {"threshold": 1.0, "k": 1, "prompts": {"max_new_tokens": 96}}}}
+    note = tuned_length_note(EvalConfig(target="", policy="specdec", temperature=0, max_new_tokens=256), tuned)
+    assert "96-token answers, this run 256" in note and "tune --max_new_tokens 256" in note
+    assert "this run 32" in tuned_length_note(EvalConfig(target="", policy="disco", temperature=0, max_new_tokens=32), tuned)
+    assert tuned_length_note(EvalConfig(target="", policy="specdec", temperature=0, max_new_tokens=128), tuned) is None
+    assert tuned_length_note(EvalConfig(target="", policy="specdec", temperature=0, max_new_tokens=256,
+                                        stop_threshold=0.5), tuned) is None
+    assert tuned_length_note(EvalConfig(target="", policy="static", max_new_tokens=256), tuned) is None
+    assert tuned_length_note(EvalConfig(target="", policy="specdec", max_new_tokens=256), {}) is None
+
+
 def test_each_tuned_policy_drafts_a_static_length_at_its_never_stopping_threshold():
     """`static_at` is what `tune` adds to its grid as the static fallback: at it, a policy drafts its k
     whatever its head says, and tune tries it at every k up to the grid's most."""
