@@ -205,34 +205,18 @@ def stop_settings(cfg: DecodeOptions, section: dict[str, Any]) -> tuple[float | 
     for this kind of decoding (greedy or sampling; with --tree, tuned on trees where it was, else on chains),
     else the policy's default. With --tree a head's most is the tree's depth (the shape bounds a tree round,
     as it does for cost), or the shallower depth tune filed (a fixed tree of that depth was fastest)."""
-    from draftsmith.models.loading import tuned_settings
+    from draftsmith.eval.tune import decoded_choice
+    from draftsmith.models.loading import choice_settings
     from draftsmith.runtime.policies import policy_kind
 
     kind = policy_kind(cfg.policy)
     given, default = (cfg.stop_threshold, DEFAULT_STOP_THRESHOLD) if kind.head else (cfg.threshold, DEFAULT_THRESHOLD)
-    tuned = tuned_settings(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned else None
+    tuned = choice_settings(decoded_choice(cfg, section))
     threshold, k = (given, cfg.k) if given is not None else (tuned[0], tuned[1] or cfg.k) if tuned else (default, cfg.k)
     if cfg.tree is not None and kind.head:
         depth = cfg.tree_shape().depth
         k = min(tuned[1], depth) if given is None and tuned and tuned[1] else depth
     return threshold, k
-
-
-def tuned_length_note(cfg: DecodeOptions, section: dict[str, Any]) -> str | None:
-    """What to say when the policy decodes with a setting `tune` chose on answers of another length (half or
-    twice --max_new_tokens or further): the best draft length grows with the answer's (dynamic_length.py)."""
-    from draftsmith.models.loading import tuned_choice
-    from draftsmith.runtime.policies import policy_kind
-
-    kind = policy_kind(cfg.policy)
-    given = cfg.stop_threshold if kind.head else cfg.threshold
-    chosen = tuned_choice(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned and given is None else None
-    tuned_at = (chosen or {}).get("prompts", {}).get("max_new_tokens")
-    if not tuned_at or tuned_at / 2 < cfg.max_new_tokens < tuned_at * 2:
-        return None
-    return (f"--policy {cfg.policy} decodes with what tune chose on {tuned_at}-token answers, this run {cfg.max_new_tokens}: "
-            f"the best draft length changes with the answer's; `draftsmith tune --max_new_tokens {cfg.max_new_tokens}` "
-            "chooses for this length")
 
 
 DEFAULT_STOP_THRESHOLD = 0.5  # h or τ of an untuned stop head
@@ -250,6 +234,7 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from draftsmith.eval.oracle import oracle_references
     from draftsmith.eval.prompts import conversations, load_prompts, prompt_sets
     from draftsmith.eval.quality import reference_chats, reference_quality, reference_rows
+    from draftsmith.eval.tune import tuned_length_note
     from draftsmith.runtime.loading import export_kind, load_proposer, load_stop_head
     from draftsmith.models.target import load_target
     from draftsmith.runtime.generate import generate
@@ -314,9 +299,10 @@ def evaluate(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     if policy.tuned and cfg.drafter is not None:
         stop_head = load_stop_head(cfg.drafter, policy, target, proposer)
     if policy.tuned:  # every policy with a head is tuned too
-        threshold, k = stop_settings(cfg, stop_head[1] if stop_head else {})
+        section = stop_head[1] if stop_head else {}
+        threshold, k = stop_settings(cfg, section)
         description += f", {policy.name} {'stop head' if policy.head else 'policy'} (threshold {threshold:g}, at most {k})"
-        if note := tuned_length_note(cfg, stop_head[1] if stop_head else {}):
+        if note := tuned_length_note(cfg, section):
             console.print(f"[yellow]note:[/] {note}")
     new_policy = policy_factory(cfg, references, stop_head)
     rules = [(alpha, cfg.target_rule(alpha)) for alpha in cfg.alphas()]

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith import DraftsmithError
 from draftsmith.options import DraftOptions, SamplingOptions, TargetOptions
 from draftsmith.data.conversations import VAL_FRACTION
+
+if TYPE_CHECKING:
+    from draftsmith.eval.evaluate import DecodeOptions
 
 ROC_FNR_COST = 3.0  # transformers' assisted generation weighs a missed acceptance 3x a false one
 
@@ -259,3 +262,25 @@ def modelled_by_point(names: list[str], runner: Any, decoded: dict[tuple[float, 
         except DraftsmithError as e:
             raise DraftsmithError(f"--cost_profile {name}: {e}") from None
     return out
+
+
+def decoded_choice(cfg: DecodeOptions, section: dict[str, Any]) -> dict[str, Any] | None:
+    """The choice `draftsmith tune` filed in `section` that the policy decodes with (`tuned_choice`), or None
+    where the command gives the threshold or the policy is not one tune chooses for."""
+    from draftsmith.models.loading import tuned_choice
+    from draftsmith.runtime.policies import policy_kind
+
+    kind = policy_kind(cfg.policy)
+    given = cfg.stop_threshold if kind.head else cfg.threshold
+    return tuned_choice(section, cfg.temperature == 0, tree=cfg.tree is not None) if kind.tuned and given is None else None
+
+
+def tuned_length_note(cfg: DecodeOptions, section: dict[str, Any]) -> str | None:
+    """What to say when the policy decodes with a setting `tune` chose on answers of another length (half or
+    twice --max_new_tokens or further): the best draft length grows with the answer's (dynamic_length.py)."""
+    tuned_at = (decoded_choice(cfg, section) or {}).get("prompts", {}).get("max_new_tokens")
+    if not tuned_at or tuned_at / 2 < cfg.max_new_tokens < tuned_at * 2:
+        return None
+    return (f"--policy {cfg.policy} decodes with what tune chose on {tuned_at}-token answers, this run {cfg.max_new_tokens}: "
+            f"the best draft length changes with the answer's; `draftsmith tune --max_new_tokens {cfg.max_new_tokens}` "
+            "chooses for this length")

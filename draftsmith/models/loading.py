@@ -92,7 +92,11 @@ def tuned_settings(section: dict[str, Any], greedy: bool, tree: bool = False,
     (the other kind's when only that was tuned), or None when it was never tuned. `tree`: the settings
     tuned for tree rounds (`tune --tree`), else the chains'. `profile`: the settings chosen for that cost
     profile (`tune --cost_profile`, filed as `greedy@NAME`), None where it was never tuned for it."""
-    chosen = tuned_choice(section, greedy, tree, profile)
+    return choice_settings(tuned_choice(section, greedy, tree, profile))
+
+
+def choice_settings(chosen: dict[str, Any] | None) -> tuple[float, int] | None:
+    """(threshold, k) of a choice `tuned_choice` found, or None."""
     # exports tuned before the draft length was called k everywhere name it max_k
     return None if chosen is None else (chosen["threshold"], chosen.get("k", chosen.get("max_k")))
 

@@ -167,7 +167,7 @@ def test_a_stop_head_on_a_tree_may_draft_as_deep_as_the_tree():
 def test_eval_says_when_it_decodes_at_another_length_than_tune_chose_on():
     """A choice filed on 96-token answers (static K 1) lost to K 2-3 at 256 (dynamic_length.py): eval names the
     lengths and the tune that chooses for its own, and says nothing at a like length or with a given threshold."""
-    from draftsmith.eval.evaluate import tuned_length_note
+    from draftsmith.eval.tune import tuned_length_note
 
     tuned = {"tuned": {"greedy": {"threshold": 1.0, "k": 1, "prompts": {"max_new_tokens": 96}}}}
     note = tuned_length_note(EvalConfig(target="", policy="specdec", temperature=0, max_new_tokens=256), tuned)
